@@ -1,0 +1,211 @@
+"""The reservation service: the async Python API every other layer calls.
+
+Each operation validates its input in Python, then makes exactly one call to a
+server-side function that does the whole transaction (see
+sql/migrations/0002_functions.sql). Python never decides whether there is
+enough stock; the conditional writes in the database do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections.abc import Callable, Iterable
+from datetime import datetime, timedelta
+from typing import Any
+
+from .. import validation as check
+from ..db.database import Database
+from ..domain import (
+    DEFAULT_TTL,
+    Line,
+    Reservation,
+    ReserveOutcome,
+    StockView,
+    Strategy,
+    Tenant,
+    Violation,
+)
+from ..errors import ReservationNotFound, UnknownStock
+
+Clock = Callable[[], datetime | None]
+
+SWEEP_BATCH_MAX = 500
+
+
+def _db_clock() -> datetime | None:
+    return None  # the database's clock_timestamp()
+
+
+def digest(operation: str, params: dict[str, Any]) -> str:
+    """A stable fingerprint of a request's parameters, stored with its key."""
+    canonical = json.dumps({"op": operation, **params}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _reservation_id(value: Any) -> uuid.UUID:
+    try:
+        return uuid.UUID(str(value))
+    except ValueError:
+        # A malformed id is answered like any id the tenant does not have.
+        raise ReservationNotFound(f"unknown reservation {value!r}") from None
+
+
+class ReservationService:
+    """Stock, holds and their lifecycle for every tenant of one database."""
+
+    def __init__(self, db: Database, *, clock: Clock = _db_clock) -> None:
+        self.db = db
+        self.clock = clock
+
+    # -- tenants -------------------------------------------------------------
+
+    async def create_tenant(self, name: str) -> Tenant:
+        name = check.name(name, "tenant name")
+        row = await self.db.call(
+            "INSERT INTO tenant (name) VALUES (%s) RETURNING tenant_id", (name,)
+        )
+        return Tenant(int(row), name)
+
+    async def tenant_by_name(self, name: str) -> Tenant | None:
+        rows = await self.db.fetch("SELECT tenant_id FROM tenant WHERE name = %s", (name,))
+        return Tenant(int(rows[0][0]), name) if rows else None
+
+    # -- stock ---------------------------------------------------------------
+
+    async def set_stock(self, tenant: int, sku: str, location: str, on_hand: int, *,
+                        strategy: Strategy | str | None = None, pool_cap: int | None = None,
+                        force: bool = False) -> StockView:
+        """Set a bucket's count (creating it), optionally switching its strategy live."""
+        tenant = check.tenant_id(tenant)
+        sku, location = check.name(sku, "sku"), check.name(location, "location")
+        on_hand = check.integer(on_hand, "on_hand", 0, 2**53)
+        chosen = check.strategy(strategy)
+        if pool_cap is not None:
+            pool_cap = check.integer(pool_cap, "pool_cap", 1, 100_000)
+        doc = await self.db.call(
+            "SELECT stock_set_v1(%s, %s, %s, %s, %s, %s, %s, %s)",
+            (tenant, sku, location, on_hand, chosen.value if chosen else None, bool(force),
+             pool_cap, self.clock()),
+        )
+        return StockView.from_json(doc)
+
+    async def adjust_stock(self, tenant: int, request_key: str, sku: str, location: str,
+                           delta: int, *, reason: str = "", force: bool = False) -> StockView:
+        """Receipt (delta > 0) or correction (delta < 0), applied once per request key."""
+        tenant = check.tenant_id(tenant)
+        key = check.request_key(request_key)
+        sku, location = check.name(sku, "sku"), check.name(location, "location")
+        delta = check.integer(delta, "delta", -(2**53), 2**53)
+        if not isinstance(reason, str) or len(reason) > 1000:
+            raise check.InvalidRequest("reason must be a string of at most 1000 characters")
+        fingerprint = digest("adjust", {"sku": sku, "location": location, "delta": delta,
+                                        "reason": reason, "force": bool(force)})
+        doc = await self.db.call(
+            "SELECT stock_adjust_v1(%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+            (tenant, key, fingerprint, sku, location, delta, reason, bool(force), self.clock()),
+        )
+        return StockView.from_json(doc["stock"], replayed=bool(doc.get("replayed")))
+
+    async def get_stock(self, tenant: int, sku: str, location: str) -> StockView:
+        tenant = check.tenant_id(tenant)
+        sku, location = check.name(sku, "sku"), check.name(location, "location")
+        rows = await self.db.fetch(
+            "SELECT bucket_view_v1(tenant_id, bucket_id, coalesce(%s, clock_timestamp()))"
+            " FROM stock_bucket WHERE tenant_id = %s AND sku = %s AND location = %s",
+            (self.clock(), tenant, sku, location),
+        )
+        if not rows:
+            await self._require_tenant(tenant)
+            raise UnknownStock(f"unknown stock {sku!r} at {location!r}",
+                               detail=[{"sku": sku, "location": location}])
+        return StockView.from_json(rows[0][0])
+
+    # -- reservations --------------------------------------------------------
+
+    async def reserve(self, tenant: int, request_key: str, lines: Iterable[Any], *,
+                      ttl: timedelta | float = DEFAULT_TTL) -> ReserveOutcome:
+        """Hold every line of a cart, or none of them.
+
+        The outcome (held or rejected) is stored under the request key: the
+        same key with the same cart returns it again without taking stock; the
+        same key with another cart raises IdempotencyKeyReused.
+        """
+        tenant = check.tenant_id(tenant)
+        key = check.request_key(request_key)
+        cart = check.cart(lines)  # sorted by (sku, location): the lock order
+        life = check.ttl(ttl)
+        fingerprint = digest("reserve", {
+            "lines": [[line.sku, line.location, line.quantity] for line in cart],
+            "ttl_ms": int(life.total_seconds() * 1000),
+        })
+        doc = await self.db.call(
+            "SELECT reserve_v1(%s, %s, %s, %s, %s, %s, %s, %s)",
+            (tenant, key, fingerprint, [x.sku for x in cart], [x.location for x in cart],
+             [x.quantity for x in cart], life, self.clock()),
+        )
+        return ReserveOutcome.from_json(doc)
+
+    async def claim(self, tenant: int, reservation_id: str | uuid.UUID) -> Reservation:
+        """Payment succeeded: deduct the held units for good. Repeating it changes nothing."""
+        return await self._transition("SELECT claim_v1(%s, %s, %s)", tenant, reservation_id)
+
+    async def release(self, tenant: int, reservation_id: str | uuid.UUID) -> Reservation:
+        """Payment failed: give the units back, once. Repeating it changes nothing."""
+        return await self._transition("SELECT release_v1(%s, %s, %s)", tenant, reservation_id)
+
+    async def extend(self, tenant: int, reservation_id: str | uuid.UUID,
+                     ttl: timedelta | float) -> Reservation:
+        """Give an active reservation a new time to live, counted from now."""
+        tenant = check.tenant_id(tenant)
+        rid = _reservation_id(reservation_id)
+        life = check.ttl(ttl)
+        doc = await self.db.call("SELECT extend_v1(%s, %s, %s, %s)",
+                                 (tenant, rid, life, self.clock()))
+        return Reservation.from_json(doc)
+
+    async def get_reservation(self, tenant: int, reservation_id: str | uuid.UUID) -> Reservation:
+        tenant = check.tenant_id(tenant)
+        rid = _reservation_id(reservation_id)
+        rows = await self.db.fetch(
+            "SELECT reservation_view_v1(%s, %s, coalesce(%s, clock_timestamp()))",
+            (tenant, rid, self.clock()),
+        )
+        if not rows or rows[0][0] is None:
+            await self._require_tenant(tenant)
+            raise ReservationNotFound(f"unknown reservation {rid}")
+        return Reservation.from_json(rows[0][0])
+
+    async def expire_due(self, batch: int = SWEEP_BATCH_MAX) -> int:
+        """Expire up to `batch` (at most 500) due reservations in one transaction."""
+        batch = check.integer(batch, "batch", 1, SWEEP_BATCH_MAX)
+        return int(await self.db.call("SELECT expire_due_v1(%s, %s)", (batch, self.clock())))
+
+    # -- checks ----------------------------------------------------------------
+
+    async def invariant_violations(self, tenant: int | None = None) -> list[Violation]:
+        """Every breach of the accounting rules (empty when all hold)."""
+        rows = await self.db.fetch(
+            "SELECT tenant_id, sku, location, rule, detail"
+            " FROM invariant_violations_v1(%s, %s)",
+            (tenant, self.clock()),
+        )
+        return [Violation(int(r[0]), r[1], r[2], r[3], r[4]) for r in rows]
+
+    async def _transition(self, sql: Any, tenant: int,
+                          reservation_id: str | uuid.UUID) -> Reservation:
+        tenant = check.tenant_id(tenant)
+        rid = _reservation_id(reservation_id)
+        doc = await self.db.call(sql, (tenant, rid, self.clock()))
+        return Reservation.from_json(doc)
+
+    async def _require_tenant(self, tenant: int) -> None:
+        from ..errors import UnknownTenant
+
+        rows = await self.db.fetch("SELECT 1 FROM tenant WHERE tenant_id = %s", (tenant,))
+        if not rows:
+            raise UnknownTenant(f"unknown tenant {tenant}")
+
+
+__all__ = ["ReservationService", "digest", "Line"]

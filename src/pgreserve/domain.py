@@ -1,0 +1,144 @@
+"""Value objects of the reservation domain. No database code here."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+MAX_LINES = 100
+MAX_QUANTITY = 1_000_000
+MAX_NAME = 200
+MIN_TTL = timedelta(seconds=1)
+MAX_TTL = timedelta(hours=24)
+DEFAULT_TTL = timedelta(minutes=15)
+
+
+class Status(str, enum.Enum):
+    ACTIVE = "active"
+    CLAIMED = "claimed"
+    RELEASED = "released"
+    EXPIRED = "expired"
+
+
+class Strategy(str, enum.Enum):
+    ROW = "row"
+    POOL = "pool"
+
+
+@dataclass(frozen=True, order=True)
+class Line:
+    """One cart line: quantity units of sku at location."""
+
+    sku: str
+    location: str
+    quantity: int
+
+
+@dataclass(frozen=True)
+class Reservation:
+    id: str
+    status: Status
+    created_at: datetime
+    expires_at: datetime
+    lines: tuple[Line, ...]
+    claimed_at: datetime | None = None
+    released_at: datetime | None = None
+    expired_at: datetime | None = None
+    replayed: bool = False
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any], replayed: bool = False) -> Reservation:
+        return cls(
+            id=str(doc["id"]),
+            status=Status(doc["status"]),
+            created_at=_ts(doc["created_at"]),
+            expires_at=_ts(doc["expires_at"]),
+            claimed_at=_ts_opt(doc.get("claimed_at")),
+            released_at=_ts_opt(doc.get("released_at")),
+            expired_at=_ts_opt(doc.get("expired_at")),
+            lines=tuple(Line(x["sku"], x["location"], int(x["quantity"])) for x in doc["lines"]),
+            replayed=replayed,
+        )
+
+
+@dataclass(frozen=True)
+class ShortLine:
+    sku: str
+    location: str
+    requested: int
+    available: int
+
+
+@dataclass(frozen=True)
+class ReserveOutcome:
+    """What a reserve request came to: held (with the reservation) or rejected."""
+
+    held: bool
+    reservation: Reservation | None = None
+    short_lines: tuple[ShortLine, ...] = field(default=())
+    replayed: bool = False
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> ReserveOutcome:
+        replayed = bool(doc.get("replayed", False))
+        if doc["status"] == "held":
+            return cls(True, Reservation.from_json(doc["reservation"], replayed), (), replayed)
+        short = tuple(
+            ShortLine(s["sku"], s["location"], int(s["requested"]), int(s["available"]))
+            for s in doc["short_lines"]
+        )
+        return cls(False, None, short, replayed)
+
+
+@dataclass(frozen=True)
+class StockView:
+    sku: str
+    location: str
+    on_hand: int
+    reserved: int
+    available: int
+    strategy: Strategy
+    pool: int
+    pool_cap: int
+    shortfall: int
+    replayed: bool = False
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any], replayed: bool = False) -> StockView:
+        return cls(
+            sku=doc["sku"],
+            location=doc["location"],
+            on_hand=int(doc["on_hand"]),
+            reserved=int(doc["reserved"]),
+            available=int(doc["available"]),
+            strategy=Strategy(doc["strategy"]),
+            pool=int(doc["pool"]),
+            pool_cap=int(doc["pool_cap"]),
+            shortfall=int(doc["shortfall"]),
+            replayed=replayed,
+        )
+
+
+@dataclass(frozen=True)
+class Tenant:
+    id: int
+    name: str
+
+
+@dataclass(frozen=True)
+class Violation:
+    tenant_id: int
+    sku: str
+    location: str
+    rule: str
+    detail: str
+
+
+def _ts(value: str) -> datetime:
+    return datetime.fromisoformat(value)
+
+
+def _ts_opt(value: str | None) -> datetime | None:
+    return None if value is None else datetime.fromisoformat(value)

@@ -1,0 +1,772 @@
+-- pgreserve server-side operations, version 1.
+--
+-- Each public operation is one function call, so one round trip and one
+-- transaction. Typed failures are raised with SQLSTATEs of class PR; every one
+-- of them rolls the whole transaction back, so a failed call writes nothing.
+--   PR401 unknown tenant            PR404 unknown stock bucket
+--   PR409 same key committed first  PR410 unknown reservation
+--   PR412 would oversell            PR422 idempotency key reused
+--   PR423 reservation released      PR424 reservation claimed
+--   PR425 reservation expired       PR426 reservation not active
+-- The clock is injectable: every function takes p_now (NULL = clock_timestamp()).
+
+CREATE FUNCTION tenant_require_v1(p_tenant bigint) RETURNS void
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    PERFORM 1 FROM tenant WHERE tenant_id = p_tenant;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'unknown tenant %', p_tenant USING ERRCODE = 'PR401';
+    END IF;
+END $$;
+
+-- The stock view of one bucket at p_now. Holds past expires_at do not count
+-- as reserved, whether or not the sweeper has run.
+CREATE FUNCTION bucket_view_v1(p_tenant bigint, p_bucket bigint, p_now timestamptz)
+RETURNS jsonb LANGUAGE sql STABLE AS $$
+    SELECT jsonb_build_object(
+        'sku', b.sku, 'location', b.location, 'on_hand', b.on_hand,
+        'reserved', h.reserved, 'available', b.on_hand - h.reserved,
+        'strategy', b.strategy, 'pool', p.pool, 'pool_cap', b.pool_cap,
+        'shortfall', b.shortfall)
+    FROM stock_bucket b,
+    LATERAL (SELECT coalesce(sum(l.quantity) FILTER (WHERE l.expires_at > p_now), 0)::bigint
+                 AS reserved
+             FROM reservation_line l
+             WHERE l.tenant_id = b.tenant_id AND l.bucket_id = b.bucket_id AND l.held) h,
+    LATERAL (SELECT count(*)::bigint AS pool FROM stock_unit u
+             WHERE u.tenant_id = b.tenant_id AND u.bucket_id = b.bucket_id) p
+    WHERE b.tenant_id = p_tenant AND b.bucket_id = p_bucket
+$$;
+
+CREATE FUNCTION reservation_view_v1(p_tenant bigint, p_id uuid, p_now timestamptz)
+RETURNS jsonb LANGUAGE sql STABLE AS $$
+    SELECT jsonb_build_object(
+        'id', r.reservation_id,
+        'status', CASE WHEN r.status = 'active' AND r.expires_at <= p_now
+                       THEN 'expired' ELSE r.status END,
+        'created_at', r.created_at, 'expires_at', r.expires_at,
+        'claimed_at', r.claimed_at, 'released_at', r.released_at,
+        'expired_at', coalesce(r.expired_at,
+                               CASE WHEN r.status = 'active' AND r.expires_at <= p_now
+                                    THEN r.expires_at END),
+        'lines', (SELECT jsonb_agg(jsonb_build_object(
+                      'sku', b.sku, 'location', b.location, 'quantity', l.quantity)
+                      ORDER BY l.line_no)
+                  FROM reservation_line l
+                  JOIN stock_bucket b ON b.tenant_id = l.tenant_id AND b.bucket_id = l.bucket_id
+                  WHERE l.tenant_id = r.tenant_id AND l.reservation_id = r.reservation_id))
+    FROM reservation r
+    WHERE r.tenant_id = p_tenant AND r.reservation_id = p_id
+$$;
+
+-- Give up expired holds on one bucket without waiting on any line another
+-- transaction has locked (that transaction is claiming, releasing or expiring
+-- it). Marks the lines not held and records the restores; returns the units.
+-- The caller owns the bucket row lock and puts the units back into free.
+CREATE FUNCTION bucket_reclaim_expired_v1(p_tenant bigint, p_bucket bigint, p_now timestamptz)
+RETURNS bigint LANGUAGE plpgsql AS $$
+DECLARE
+    v_units bigint;
+BEGIN
+    WITH due AS (
+        SELECT l.tenant_id, l.reservation_id, l.line_no
+        FROM reservation_line l
+        WHERE l.tenant_id = p_tenant AND l.bucket_id = p_bucket
+          AND l.held AND l.expires_at <= p_now
+        FOR UPDATE SKIP LOCKED
+    ), given_up AS (
+        UPDATE reservation_line l SET held = false
+        FROM due
+        WHERE (l.tenant_id, l.reservation_id, l.line_no)
+            = (due.tenant_id, due.reservation_id, due.line_no)
+        RETURNING l.reservation_id, l.line_no, l.quantity
+    ), logged AS (
+        INSERT INTO stock_movement (tenant_id, bucket_id, kind, quantity, reservation_id,
+                                    line_no, reason)
+        SELECT p_tenant, p_bucket, 'restore', quantity, reservation_id, line_no, 'expired'
+        FROM given_up
+        RETURNING quantity
+    )
+    SELECT coalesce(sum(quantity), 0) INTO v_units FROM logged;
+    RETURN v_units;
+END $$;
+
+-- Refill a pool bucket from free stock, up to its cap (plus p_need units the
+-- caller takes directly). Serialised per bucket by the bucket row lock: one
+-- transaction refills while the others wait on the row, then find units.
+-- Returns (added to the pool, taken directly for the caller).
+CREATE FUNCTION pool_replenish_v1(p_tenant bigint, p_bucket bigint, p_need integer,
+                                  p_now timestamptz,
+                                  OUT added integer, OUT direct integer)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_free bigint;
+    v_cap integer;
+    v_strategy text;
+    v_pool bigint;
+    v_reclaimed bigint;
+BEGIN
+    added := 0;
+    direct := 0;
+    SELECT free, pool_cap, strategy INTO v_free, v_cap, v_strategy
+    FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+    FOR NO KEY UPDATE;
+    IF NOT FOUND OR v_strategy <> 'pool' THEN
+        RETURN;
+    END IF;
+    v_reclaimed := bucket_reclaim_expired_v1(p_tenant, p_bucket, p_now);
+    v_free := v_free + v_reclaimed;
+    direct := least(v_free, p_need);
+    SELECT count(*) INTO v_pool FROM stock_unit
+    WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+    added := greatest(0, least(v_free - direct, v_cap - v_pool));
+    IF added > 0 THEN
+        INSERT INTO stock_unit (tenant_id, bucket_id)
+        SELECT p_tenant, p_bucket FROM generate_series(1, added);
+    END IF;
+    IF v_reclaimed <> 0 OR added <> 0 OR direct <> 0 THEN
+        UPDATE stock_bucket SET free = v_free - added - direct, updated_at = p_now
+        WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+    END IF;
+END $$;
+
+-- Set aside p_qty units of one bucket for the caller's transaction.
+-- row:  a conditional decrement of free (nothing written when short).
+-- pool: locks p_qty units with SKIP LOCKED (deleted by the caller once the
+--       whole cart is known to fit); refills inline when short, unless the
+--       bucket is plainly sold out, which is answered without any lock.
+-- ok=false means the bucket cannot give p_qty units now; what was set aside
+-- (row: p_qty from free; pool: direct units from free) is in direct/row_taken
+-- so the caller can give it back.
+CREATE FUNCTION bucket_take_v1(p_tenant bigint, p_bucket bigint, p_qty integer,
+                               p_now timestamptz,
+                               OUT ok boolean, OUT unit_ids bigint[], OUT direct integer,
+                               OUT row_taken boolean)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_free bigint;
+    v_strategy text;
+    v_got integer;
+    v_more bigint[];
+    v_rep record;
+    v_reclaimed bigint;
+BEGIN
+    ok := false;
+    unit_ids := '{}';
+    direct := 0;
+    row_taken := false;
+
+    -- row strategy: the decrement is the check.
+    UPDATE stock_bucket SET free = free - p_qty
+    WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND strategy = 'row'
+      AND free >= p_qty;
+    IF FOUND THEN
+        ok := true;
+        row_taken := true;
+        RETURN;
+    END IF;
+
+    SELECT free, strategy INTO v_free, v_strategy
+    FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+
+    IF v_strategy = 'row' THEN
+        -- Short, unless expired holds can be given up first.
+        IF NOT EXISTS (SELECT 1 FROM reservation_line
+                       WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+                         AND held AND expires_at <= p_now) THEN
+            RETURN;
+        END IF;
+        PERFORM 1 FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+        FOR NO KEY UPDATE;
+        v_reclaimed := bucket_reclaim_expired_v1(p_tenant, p_bucket, p_now);
+        UPDATE stock_bucket SET free = free + v_reclaimed
+        WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+        UPDATE stock_bucket SET free = free - p_qty
+        WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND strategy = 'row'
+          AND free >= p_qty;
+        IF FOUND THEN
+            ok := true;
+            row_taken := true;
+        END IF;
+        RETURN;
+    END IF;
+
+    -- pool strategy
+    SELECT coalesce(array_agg(unit_id), '{}') INTO unit_ids FROM (
+        SELECT unit_id FROM stock_unit
+        WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+        ORDER BY unit_id
+        LIMIT p_qty
+        FOR UPDATE SKIP LOCKED) s;
+    v_got := cardinality(unit_ids);
+    IF v_got = p_qty THEN
+        ok := true;
+        RETURN;
+    END IF;
+
+    -- Sold out is cheap: nothing free and nothing expired means no refill can
+    -- help, so answer now without queueing on the bucket lock.
+    IF v_free < p_qty - v_got
+       AND NOT EXISTS (SELECT 1 FROM reservation_line
+                       WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+                         AND held AND expires_at <= p_now) THEN
+        RETURN;
+    END IF;
+
+    v_rep := pool_replenish_v1(p_tenant, p_bucket, p_qty - v_got, p_now);
+    direct := v_rep.direct;
+    IF v_got + direct < p_qty THEN
+        -- Another transaction may have refilled while this one waited.
+        SELECT coalesce(array_agg(unit_id), '{}') INTO v_more FROM (
+            SELECT unit_id FROM stock_unit
+            WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+              AND NOT (unit_id = ANY (unit_ids))
+            ORDER BY unit_id
+            LIMIT p_qty - v_got - direct
+            FOR UPDATE SKIP LOCKED) s;
+        unit_ids := unit_ids || v_more;
+        v_got := cardinality(unit_ids);
+    END IF;
+    ok := v_got + direct >= p_qty;
+END $$;
+
+-- Give back p_qty units of a line that is no longer held (release, expiry).
+CREATE FUNCTION bucket_give_back_v1(p_tenant bigint, p_bucket bigint, p_qty integer,
+                                    p_now timestamptz)
+RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    v_strategy text;
+    v_shortfall bigint;
+BEGIN
+    -- FOR KEY SHARE keeps the strategy read here true until this transaction
+    -- ends (a switch takes FOR UPDATE) without queueing behind ordinary
+    -- updates of the bucket.
+    SELECT strategy, shortfall INTO v_strategy, v_shortfall
+    FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+    FOR KEY SHARE;
+    IF v_strategy = 'pool' AND v_shortfall = 0 THEN
+        INSERT INTO stock_unit (tenant_id, bucket_id)
+        SELECT p_tenant, p_bucket FROM generate_series(1, p_qty);
+    ELSE
+        -- Units that were held but are missing (forced correction) are
+        -- written off rather than made available again.
+        UPDATE stock_bucket
+        SET on_hand = on_hand - least(shortfall, p_qty),
+            free = free + p_qty - least(shortfall, p_qty),
+            shortfall = shortfall - least(shortfall, p_qty),
+            updated_at = p_now
+        WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+    END IF;
+END $$;
+
+CREATE FUNCTION ledger_check_v1(p_tenant bigint, p_key text, p_operation text, p_digest text)
+RETURNS jsonb LANGUAGE plpgsql STABLE AS $$
+DECLARE
+    v_row request_ledger;
+BEGIN
+    SELECT * INTO v_row FROM request_ledger WHERE tenant_id = p_tenant AND request_key = p_key;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    IF v_row.operation <> p_operation OR v_row.digest <> p_digest THEN
+        RAISE EXCEPTION 'request key % was already used with different parameters', p_key
+            USING ERRCODE = 'PR422', DETAIL = v_row.operation;
+    END IF;
+    RETURN v_row.outcome || jsonb_build_object('replayed', true);
+END $$;
+
+CREATE FUNCTION ledger_record_v1(p_tenant bigint, p_key text, p_operation text,
+                                 p_digest text, p_status text, p_outcome jsonb)
+RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO request_ledger (tenant_id, request_key, operation, digest, status, outcome)
+    VALUES (p_tenant, p_key, p_operation, p_digest, p_status, p_outcome)
+    ON CONFLICT (tenant_id, request_key) DO NOTHING;
+    IF NOT FOUND THEN
+        -- The same key committed first while this one ran: undo this attempt;
+        -- the caller retries and gets the stored outcome.
+        RAISE EXCEPTION 'request key % was committed by a concurrent request', p_key
+            USING ERRCODE = 'PR409';
+    END IF;
+END $$;
+
+-- Reserve a cart, all or nothing. The arrays are one entry per line, already
+-- sorted by (sku, location) by the caller: that is the order locks are taken in.
+CREATE FUNCTION reserve_v1(p_tenant bigint, p_key text, p_digest text,
+                           p_skus text[], p_locations text[], p_quantities integer[],
+                           p_ttl interval, p_now timestamptz DEFAULT NULL)
+RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, clock_timestamp());
+    v_replay jsonb;
+    v_buckets bigint[];
+    v_missing jsonb;
+    v_take record;
+    v_takes jsonb := '[]';
+    v_short jsonb := '[]';
+    v_id uuid;
+    v_outcome jsonb;
+    v_view jsonb;
+    i integer;
+BEGIN
+    v_replay := ledger_check_v1(p_tenant, p_key, 'reserve', p_digest);
+    IF v_replay IS NOT NULL THEN
+        RETURN v_replay;
+    END IF;
+
+    SELECT array_agg(b.bucket_id ORDER BY u.ord),
+           jsonb_agg(jsonb_build_object('sku', u.sku, 'location', u.loc) ORDER BY u.ord)
+               FILTER (WHERE b.bucket_id IS NULL)
+    INTO v_buckets, v_missing
+    FROM unnest(p_skus, p_locations) WITH ORDINALITY AS u(sku, loc, ord)
+    LEFT JOIN stock_bucket b
+      ON b.tenant_id = p_tenant AND b.sku = u.sku AND b.location = u.loc;
+    IF v_missing IS NOT NULL THEN
+        PERFORM tenant_require_v1(p_tenant);
+        RAISE EXCEPTION 'unknown stock' USING ERRCODE = 'PR404', DETAIL = v_missing::text;
+    END IF;
+
+    FOR i IN 1 .. cardinality(v_buckets) LOOP
+        v_take := bucket_take_v1(p_tenant, v_buckets[i], p_quantities[i], v_now);
+        v_takes := v_takes || jsonb_build_object(
+            'ok', v_take.ok, 'row_taken', v_take.row_taken, 'direct', v_take.direct,
+            'units', to_jsonb(v_take.unit_ids));
+        IF NOT v_take.ok THEN
+            v_short := v_short || jsonb_build_object(
+                'sku', p_skus[i], 'location', p_locations[i], 'requested', p_quantities[i]);
+        END IF;
+    END LOOP;
+
+    IF jsonb_array_length(v_short) > 0 THEN
+        -- Give back whatever this cart set aside, in the same order.
+        FOR i IN 1 .. cardinality(v_buckets) LOOP
+            IF (v_takes -> (i - 1) ->> 'row_taken')::boolean THEN
+                UPDATE stock_bucket SET free = free + p_quantities[i]
+                WHERE tenant_id = p_tenant AND bucket_id = v_buckets[i];
+            ELSIF (v_takes -> (i - 1) ->> 'direct')::integer > 0 THEN
+                UPDATE stock_bucket SET free = free + (v_takes -> (i - 1) ->> 'direct')::integer
+                WHERE tenant_id = p_tenant AND bucket_id = v_buckets[i];
+            END IF;
+        END LOOP;
+        SELECT jsonb_agg(s || jsonb_build_object(
+                   'available', (bucket_view_v1(p_tenant, b.bucket_id, v_now) ->> 'available')::bigint))
+        INTO v_short
+        FROM jsonb_array_elements(v_short) s
+        JOIN stock_bucket b ON b.tenant_id = p_tenant AND b.sku = s ->> 'sku'
+                           AND b.location = s ->> 'location';
+        v_outcome := jsonb_build_object('status', 'rejected', 'reason', 'insufficient_stock',
+                                        'short_lines', v_short);
+        PERFORM ledger_record_v1(p_tenant, p_key, 'reserve', p_digest, 'rejected', v_outcome);
+        RETURN v_outcome;
+    END IF;
+
+    -- Every line fits: consume the locked pool units.
+    FOR i IN 1 .. cardinality(v_buckets) LOOP
+        IF jsonb_array_length(v_takes -> (i - 1) -> 'units') > 0 THEN
+            DELETE FROM stock_unit
+            WHERE tenant_id = p_tenant AND bucket_id = v_buckets[i]
+              AND unit_id = ANY (ARRAY(SELECT jsonb_array_elements_text(
+                                          v_takes -> (i - 1) -> 'units')::bigint));
+        END IF;
+    END LOOP;
+
+    v_id := gen_random_uuid();
+    INSERT INTO reservation (tenant_id, reservation_id, request_key, created_at, expires_at)
+    VALUES (p_tenant, v_id, p_key, v_now, v_now + p_ttl);
+    INSERT INTO reservation_line (tenant_id, reservation_id, line_no, bucket_id, quantity,
+                                  expires_at)
+    SELECT p_tenant, v_id, ord, bucket, qty, v_now + p_ttl
+    FROM unnest(v_buckets, p_quantities) WITH ORDINALITY AS u(bucket, qty, ord);
+
+    v_view := reservation_view_v1(p_tenant, v_id, v_now);
+    v_outcome := jsonb_build_object('status', 'held', 'reservation', v_view);
+    PERFORM ledger_record_v1(p_tenant, p_key, 'reserve', p_digest, 'succeeded', v_outcome);
+    INSERT INTO outbox_event (tenant_id, type, payload)
+    VALUES (p_tenant, 'reservation.created', v_view);
+    RETURN v_outcome;
+END $$;
+
+-- Lock a reservation for a transition; raises PR410 (or PR401) when the
+-- tenant has no such reservation.
+CREATE FUNCTION reservation_lock_v1(p_tenant bigint, p_id uuid) RETURNS reservation
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_row reservation;
+BEGIN
+    SELECT * INTO v_row FROM reservation
+    WHERE tenant_id = p_tenant AND reservation_id = p_id FOR UPDATE;
+    IF NOT FOUND THEN
+        PERFORM tenant_require_v1(p_tenant);
+        RAISE EXCEPTION 'unknown reservation %', p_id USING ERRCODE = 'PR410';
+    END IF;
+    RETURN v_row;
+END $$;
+
+-- Payment succeeded: deduct on_hand for every line, in one transaction with
+-- the state change. A reservation past its expiry is claimed only if every
+-- line that was given up can be taken again now.
+CREATE FUNCTION claim_v1(p_tenant bigint, p_id uuid, p_now timestamptz DEFAULT NULL)
+RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, clock_timestamp());
+    v_res reservation;
+    v_line record;
+    v_take record;
+    v_view jsonb;
+BEGIN
+    v_res := reservation_lock_v1(p_tenant, p_id);
+    IF v_res.status = 'claimed' THEN
+        RETURN reservation_view_v1(p_tenant, p_id, v_now);
+    ELSIF v_res.status = 'released' THEN
+        RAISE EXCEPTION 'reservation % was released', p_id USING ERRCODE = 'PR423';
+    END IF;
+
+    FOR v_line IN
+        SELECT l.line_no, l.bucket_id, l.quantity, l.held
+        FROM reservation_line l
+        JOIN stock_bucket b ON b.tenant_id = l.tenant_id AND b.bucket_id = l.bucket_id
+        WHERE l.tenant_id = p_tenant AND l.reservation_id = p_id
+        ORDER BY b.sku, b.location
+        FOR UPDATE OF l
+    LOOP
+        IF v_line.held THEN
+            UPDATE reservation_line SET held = false
+            WHERE tenant_id = p_tenant AND reservation_id = p_id AND line_no = v_line.line_no;
+        ELSE
+            -- Given up at expiry: take the units again, or fail the claim.
+            v_take := bucket_take_v1(p_tenant, v_line.bucket_id, v_line.quantity, v_now);
+            IF NOT v_take.ok THEN
+                RAISE EXCEPTION 'reservation % expired and its stock is gone', p_id
+                    USING ERRCODE = 'PR425';
+            END IF;
+            IF cardinality(v_take.unit_ids) > 0 THEN
+                DELETE FROM stock_unit
+                WHERE tenant_id = p_tenant AND bucket_id = v_line.bucket_id
+                  AND unit_id = ANY (v_take.unit_ids);
+            END IF;
+        END IF;
+        UPDATE stock_bucket
+        SET on_hand = on_hand - v_line.quantity,
+            shortfall = least(shortfall, on_hand - v_line.quantity),
+            updated_at = v_now
+        WHERE tenant_id = p_tenant AND bucket_id = v_line.bucket_id;
+        INSERT INTO stock_movement (tenant_id, bucket_id, kind, quantity, reservation_id, line_no)
+        VALUES (p_tenant, v_line.bucket_id, 'sale', -v_line.quantity, p_id, v_line.line_no);
+    END LOOP;
+
+    UPDATE reservation
+    SET status = 'claimed', claimed_at = v_now
+    WHERE tenant_id = p_tenant AND reservation_id = p_id;
+    v_view := reservation_view_v1(p_tenant, p_id, v_now);
+    INSERT INTO outbox_event (tenant_id, type, payload)
+    VALUES (p_tenant, 'reservation.claimed', v_view);
+    RETURN v_view;
+END $$;
+
+-- Give back every line still held, in (sku, location) order, and record each
+-- restore once. Returns the number of units given back.
+CREATE FUNCTION reservation_give_back_v1(p_tenant bigint, p_id uuid, p_reason text,
+                                         p_now timestamptz)
+RETURNS bigint LANGUAGE plpgsql AS $$
+DECLARE
+    v_line record;
+    v_units bigint := 0;
+BEGIN
+    FOR v_line IN
+        SELECT l.line_no, l.bucket_id, l.quantity
+        FROM reservation_line l
+        JOIN stock_bucket b ON b.tenant_id = l.tenant_id AND b.bucket_id = l.bucket_id
+        WHERE l.tenant_id = p_tenant AND l.reservation_id = p_id AND l.held
+        ORDER BY b.sku, b.location
+        FOR UPDATE OF l
+    LOOP
+        UPDATE reservation_line SET held = false
+        WHERE tenant_id = p_tenant AND reservation_id = p_id AND line_no = v_line.line_no;
+        INSERT INTO stock_movement (tenant_id, bucket_id, kind, quantity, reservation_id,
+                                    line_no, reason)
+        VALUES (p_tenant, v_line.bucket_id, 'restore', v_line.quantity, p_id,
+                v_line.line_no, p_reason);
+        PERFORM bucket_give_back_v1(p_tenant, v_line.bucket_id, v_line.quantity, p_now);
+        v_units := v_units + v_line.quantity;
+    END LOOP;
+    RETURN v_units;
+END $$;
+
+-- Payment failed or the checkout was cancelled.
+CREATE FUNCTION release_v1(p_tenant bigint, p_id uuid, p_now timestamptz DEFAULT NULL)
+RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, clock_timestamp());
+    v_res reservation;
+    v_view jsonb;
+BEGIN
+    v_res := reservation_lock_v1(p_tenant, p_id);
+    IF v_res.status = 'claimed' THEN
+        RAISE EXCEPTION 'reservation % was claimed', p_id USING ERRCODE = 'PR424';
+    ELSIF v_res.status IN ('released', 'expired') THEN
+        RETURN reservation_view_v1(p_tenant, p_id, v_now);
+    END IF;
+    PERFORM reservation_give_back_v1(p_tenant, p_id, 'released', v_now);
+    UPDATE reservation SET status = 'released', released_at = v_now
+    WHERE tenant_id = p_tenant AND reservation_id = p_id;
+    v_view := reservation_view_v1(p_tenant, p_id, v_now);
+    INSERT INTO outbox_event (tenant_id, type, payload)
+    VALUES (p_tenant, 'reservation.released', v_view);
+    RETURN v_view;
+END $$;
+
+CREATE FUNCTION extend_v1(p_tenant bigint, p_id uuid, p_ttl interval,
+                          p_now timestamptz DEFAULT NULL)
+RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, clock_timestamp());
+    v_res reservation;
+BEGIN
+    v_res := reservation_lock_v1(p_tenant, p_id);
+    IF v_res.status <> 'active' OR v_res.expires_at <= v_now THEN
+        RAISE EXCEPTION 'reservation % is not active', p_id USING ERRCODE = 'PR426',
+            DETAIL = CASE WHEN v_res.status = 'active' THEN 'expired' ELSE v_res.status END;
+    END IF;
+    -- Lines carry expires_at too (the reserve path reclaims by line); the
+    -- header lock is held, so no claim or release interleaves.
+    UPDATE reservation_line SET expires_at = v_now + p_ttl
+    WHERE tenant_id = p_tenant AND reservation_id = p_id AND held;
+    UPDATE reservation SET expires_at = v_now + p_ttl
+    WHERE tenant_id = p_tenant AND reservation_id = p_id;
+    RETURN reservation_view_v1(p_tenant, p_id, v_now);
+END $$;
+
+-- The sweeper: expire up to p_batch due reservations in one transaction.
+-- SKIP LOCKED lets several sweepers run at once; the locking read re-checks
+-- status and expiry on the latest row version.
+CREATE FUNCTION expire_due_v1(p_batch integer, p_now timestamptz DEFAULT NULL)
+RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, clock_timestamp());
+    v_res record;
+    v_count integer := 0;
+BEGIN
+    FOR v_res IN
+        SELECT tenant_id, reservation_id FROM reservation
+        WHERE status = 'active' AND expires_at <= v_now
+        ORDER BY expires_at
+        LIMIT p_batch
+        FOR UPDATE SKIP LOCKED
+    LOOP
+        PERFORM reservation_give_back_v1(v_res.tenant_id, v_res.reservation_id, 'expired',
+                                         v_now);
+        UPDATE reservation SET status = 'expired', expired_at = v_now
+        WHERE tenant_id = v_res.tenant_id AND reservation_id = v_res.reservation_id;
+        INSERT INTO outbox_event (tenant_id, type, payload)
+        VALUES (v_res.tenant_id, 'reservation.expired',
+                reservation_view_v1(v_res.tenant_id, v_res.reservation_id, v_now));
+        v_count := v_count + 1;
+    END LOOP;
+    RETURN v_count;
+END $$;
+
+-- Take exclusive hold of a bucket for a stock change: lock its held lines
+-- (so no release or expiry is putting units back), then the bucket row, then
+-- drain the pool into free (waiting for in-flight takes to finish).
+-- Returns the bucket row and the units currently held.
+CREATE FUNCTION bucket_lock_exclusive_v1(p_tenant bigint, p_bucket bigint,
+                                         OUT o_bucket stock_bucket, OUT o_held bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_drained bigint;
+BEGIN
+    PERFORM 1 FROM reservation_line
+    WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND held
+    ORDER BY reservation_id, line_no
+    FOR UPDATE;
+    PERFORM 1 FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+    FOR UPDATE;
+    WITH drained AS (
+        DELETE FROM stock_unit WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+        RETURNING 1
+    )
+    SELECT count(*) INTO v_drained FROM drained;
+    UPDATE stock_bucket SET free = free + v_drained
+    WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+    RETURNING * INTO o_bucket;
+    SELECT coalesce(sum(quantity), 0) INTO o_held FROM reservation_line
+    WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND held;
+END $$;
+
+-- Write a new on_hand for an exclusively locked bucket (pool drained), given
+-- the units held. Below the held units: PR412 unless forced, in which case
+-- the missing held units are recorded as shortfall. Refills the pool.
+CREATE FUNCTION bucket_apply_on_hand_v1(p_tenant bigint, p_bucket bigint, p_held bigint,
+                                        p_physical bigint, p_force boolean,
+                                        p_now timestamptz)
+RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    v_short bigint := greatest(0, p_held - p_physical);
+BEGIN
+    IF v_short > 0 AND NOT p_force THEN
+        RAISE EXCEPTION 'stock would fall below the % units held', p_held
+            USING ERRCODE = 'PR412', DETAIL = p_held::text;
+    END IF;
+    UPDATE stock_bucket
+    SET on_hand = greatest(p_physical, p_held),
+        free = greatest(p_physical, p_held) - p_held,
+        shortfall = v_short,
+        updated_at = p_now
+    WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+    PERFORM pool_replenish_v1(p_tenant, p_bucket, 0, p_now);
+END $$;
+
+-- Set a bucket's count (physical units not yet sold), creating it if needed,
+-- and optionally switch its strategy. Idempotent by nature.
+CREATE FUNCTION stock_set_v1(p_tenant bigint, p_sku text, p_location text, p_on_hand bigint,
+                             p_strategy text DEFAULT NULL, p_force boolean DEFAULT false,
+                             p_pool_cap integer DEFAULT NULL,
+                             p_now timestamptz DEFAULT NULL)
+RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, clock_timestamp());
+    v_bucket bigint;
+    v_lock record;
+    v_before bigint;
+    v_view jsonb;
+BEGIN
+    PERFORM tenant_require_v1(p_tenant);
+    INSERT INTO stock_bucket (tenant_id, sku, location, on_hand, free, strategy, pool_cap)
+    VALUES (p_tenant, p_sku, p_location, p_on_hand, p_on_hand, coalesce(p_strategy, 'row'),
+            coalesce(p_pool_cap, 1000))
+    ON CONFLICT (tenant_id, sku, location) DO NOTHING
+    RETURNING bucket_id INTO v_bucket;
+    IF v_bucket IS NOT NULL THEN
+        v_before := 0;
+        PERFORM pool_replenish_v1(p_tenant, v_bucket, 0, v_now);
+    ELSE
+        SELECT bucket_id INTO v_bucket FROM stock_bucket
+        WHERE tenant_id = p_tenant AND sku = p_sku AND location = p_location;
+        v_lock := bucket_lock_exclusive_v1(p_tenant, v_bucket);
+        v_before := (v_lock.o_bucket).on_hand - (v_lock.o_bucket).shortfall;
+        UPDATE stock_bucket
+        SET strategy = coalesce(p_strategy, strategy), pool_cap = coalesce(p_pool_cap, pool_cap)
+        WHERE tenant_id = p_tenant AND bucket_id = v_bucket;
+        PERFORM bucket_apply_on_hand_v1(p_tenant, v_bucket, v_lock.o_held, p_on_hand, p_force,
+                                        v_now);
+    END IF;
+    IF p_on_hand <> v_before THEN
+        INSERT INTO stock_movement (tenant_id, bucket_id, kind, quantity, reason)
+        VALUES (p_tenant, v_bucket, 'count', p_on_hand - v_before, 'set');
+    END IF;
+    v_view := bucket_view_v1(p_tenant, v_bucket, v_now);
+    INSERT INTO outbox_event (tenant_id, type, payload)
+    VALUES (p_tenant, 'stock.changed', v_view || jsonb_build_object('change', 'set'));
+    RETURN v_view;
+END $$;
+
+-- Receipt (delta > 0) or correction (delta < 0) of on_hand, idempotent by key.
+CREATE FUNCTION stock_adjust_v1(p_tenant bigint, p_key text, p_digest text, p_sku text,
+                                p_location text, p_delta bigint, p_reason text,
+                                p_force boolean DEFAULT false,
+                                p_now timestamptz DEFAULT NULL)
+RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, clock_timestamp());
+    v_replay jsonb;
+    v_bucket bigint;
+    v_lock record;
+    v_view jsonb;
+    v_outcome jsonb;
+BEGIN
+    v_replay := ledger_check_v1(p_tenant, p_key, 'adjust', p_digest);
+    IF v_replay IS NOT NULL THEN
+        RETURN v_replay;
+    END IF;
+    SELECT bucket_id INTO v_bucket FROM stock_bucket
+    WHERE tenant_id = p_tenant AND sku = p_sku AND location = p_location;
+    IF NOT FOUND THEN
+        PERFORM tenant_require_v1(p_tenant);
+        RAISE EXCEPTION 'unknown stock' USING ERRCODE = 'PR404',
+            DETAIL = jsonb_build_array(jsonb_build_object('sku', p_sku,
+                                                          'location', p_location))::text;
+    END IF;
+    IF p_delta >= 0 THEN
+        -- A receipt pays back any shortfall first, then becomes free stock.
+        UPDATE stock_bucket
+        SET on_hand = on_hand + p_delta - least(shortfall, p_delta),
+            free = free + p_delta - least(shortfall, p_delta),
+            shortfall = shortfall - least(shortfall, p_delta),
+            updated_at = v_now
+        WHERE tenant_id = p_tenant AND bucket_id = v_bucket;
+    ELSE
+        v_lock := bucket_lock_exclusive_v1(p_tenant, v_bucket);
+        PERFORM bucket_apply_on_hand_v1(
+            p_tenant, v_bucket, v_lock.o_held,
+            (v_lock.o_bucket).on_hand - (v_lock.o_bucket).shortfall + p_delta, p_force, v_now);
+    END IF;
+    INSERT INTO stock_movement (tenant_id, bucket_id, kind, quantity, request_key, reason)
+    VALUES (p_tenant, v_bucket, 'adjust', p_delta, p_key, p_reason);
+    v_view := bucket_view_v1(p_tenant, v_bucket, v_now);
+    v_outcome := jsonb_build_object('status', 'applied', 'stock', v_view);
+    PERFORM ledger_record_v1(p_tenant, p_key, 'adjust', p_digest, 'succeeded', v_outcome);
+    INSERT INTO outbox_event (tenant_id, type, payload)
+    VALUES (p_tenant, 'stock.changed',
+            v_view || jsonb_build_object('change', 'adjust', 'delta', p_delta,
+                                         'reason', p_reason));
+    RETURN v_outcome;
+END $$;
+
+-- Every accounting rule the design promises, per bucket; one row per breach.
+CREATE FUNCTION invariant_violations_v1(p_tenant bigint DEFAULT NULL,
+                                        p_now timestamptz DEFAULT NULL)
+RETURNS TABLE (tenant_id bigint, sku text, location text, rule text, detail text)
+LANGUAGE sql STABLE AS $$
+    WITH now_ AS (SELECT coalesce(p_now, clock_timestamp()) AS now),
+    figures AS (
+        SELECT b.tenant_id, b.bucket_id, b.sku, b.location, b.on_hand, b.free, b.strategy,
+               (SELECT count(*) FROM stock_unit u
+                 WHERE u.tenant_id = b.tenant_id AND u.bucket_id = b.bucket_id) AS pool,
+               (SELECT coalesce(sum(quantity), 0) FROM reservation_line l
+                 WHERE l.tenant_id = b.tenant_id AND l.bucket_id = b.bucket_id AND l.held)
+                   AS held,
+               (SELECT coalesce(sum(quantity), 0) FROM reservation_line l, now_
+                 WHERE l.tenant_id = b.tenant_id AND l.bucket_id = b.bucket_id AND l.held
+                   AND l.expires_at > now_.now) AS reserved
+        FROM stock_bucket b
+        WHERE p_tenant IS NULL OR b.tenant_id = p_tenant
+    )
+    SELECT tenant_id, sku, location, 'accounting',
+           format('on_hand %s <> free %s + pool %s + held %s', on_hand, free, pool, held)
+    FROM figures WHERE on_hand <> free + pool + held
+    UNION ALL
+    SELECT tenant_id, sku, location, 'negative',
+           format('on_hand %s free %s reserved %s available %s',
+                  on_hand, free, reserved, on_hand - reserved)
+    FROM figures WHERE on_hand < 0 OR free < 0 OR reserved < 0 OR on_hand - reserved < 0
+    UNION ALL
+    SELECT tenant_id, sku, location, 'pool_on_row_bucket', format('%s pool units', pool)
+    FROM figures WHERE strategy = 'row' AND pool > 0
+    UNION ALL
+    -- a hold of a finished reservation must not be counted any more
+    SELECT l.tenant_id, b.sku, b.location, 'finished_but_held',
+           format('reservation %s is %s but line %s is held', r.reservation_id, r.status,
+                  l.line_no)
+    FROM reservation_line l
+    JOIN reservation r USING (tenant_id, reservation_id)
+    JOIN stock_bucket b ON b.tenant_id = l.tenant_id AND b.bucket_id = l.bucket_id
+    WHERE l.held AND r.status <> 'active' AND (p_tenant IS NULL OR l.tenant_id = p_tenant)
+    UNION ALL
+    -- a line given up without a claim must have exactly one restore record,
+    -- a claimed line none
+    SELECT l.tenant_id, b.sku, b.location, 'restore_count',
+           format('reservation %s line %s (%s) restored %s times', r.reservation_id,
+                  l.line_no, r.status, m.n)
+    FROM reservation_line l
+    JOIN reservation r USING (tenant_id, reservation_id)
+    JOIN stock_bucket b ON b.tenant_id = l.tenant_id AND b.bucket_id = l.bucket_id
+    CROSS JOIN LATERAL (
+        SELECT count(*) AS n FROM stock_movement m
+        WHERE m.tenant_id = l.tenant_id AND m.reservation_id = l.reservation_id
+          AND m.line_no = l.line_no AND m.kind = 'restore') m
+    WHERE (p_tenant IS NULL OR l.tenant_id = p_tenant)
+      AND CASE WHEN l.held THEN m.n <> 0
+               -- claimed after its expiry had given the line up: one restore
+               WHEN r.status = 'claimed' THEN m.n > 1
+               ELSE m.n <> 1 END
+$$;

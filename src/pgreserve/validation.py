@@ -1,0 +1,96 @@
+"""Input checks done before any SQL runs: bad input gets InvalidRequest and writes nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any
+
+from .domain import MAX_LINES, MAX_NAME, MAX_QUANTITY, MAX_TTL, MIN_TTL, Line, Strategy
+from .errors import InvalidRequest
+
+
+def name(value: Any, field: str) -> str:
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{field} must be a string", field=field)
+    if not value:
+        raise InvalidRequest(f"{field} must not be empty", field=field)
+    if len(value) > MAX_NAME:
+        raise InvalidRequest(f"{field} must be at most {MAX_NAME} characters", field=field)
+    if "\x00" in value:
+        raise InvalidRequest(f"{field} must not contain NUL characters", field=field)
+    return value
+
+
+def integer(value: Any, field: str, low: int, high: int) -> int:
+    # bool is an int subclass in Python; True is not a quantity.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(f"{field} must be an integer", field=field)
+    if not low <= value <= high:
+        raise InvalidRequest(f"{field} must be between {low} and {high}", field=field)
+    return value
+
+
+def quantity(value: Any, field: str = "quantity") -> int:
+    return integer(value, field, 1, MAX_QUANTITY)
+
+
+def request_key(value: Any) -> str:
+    return name(value, "request_key")
+
+
+def tenant_id(value: Any) -> int:
+    return integer(value, "tenant", 1, 2**63 - 1)
+
+
+def ttl(value: Any) -> timedelta:
+    if isinstance(value, bool):
+        raise InvalidRequest("ttl must be a duration", field="ttl")
+    if isinstance(value, (int, float)):
+        value = timedelta(seconds=value)
+    if not isinstance(value, timedelta):
+        raise InvalidRequest("ttl must be a duration or a number of seconds", field="ttl")
+    if not MIN_TTL <= value <= MAX_TTL:
+        raise InvalidRequest("ttl must be between 1 second and 24 hours", field="ttl")
+    return value
+
+
+def strategy(value: Any) -> Strategy | None:
+    if value is None:
+        return None
+    try:
+        return Strategy(value)
+    except ValueError:
+        raise InvalidRequest("strategy must be 'row' or 'pool'", field="strategy") from None
+
+
+def cart(lines: Iterable[Any]) -> list[Line]:
+    """Validate a cart and return its lines sorted by (sku, location): the lock order."""
+    if isinstance(lines, (str, bytes)) or not isinstance(lines, Iterable):
+        raise InvalidRequest("lines must be a list", field="lines")
+    parsed: list[Line] = []
+    for i, raw in enumerate(lines):
+        if isinstance(raw, Line):
+            sku, loc, qty = raw.sku, raw.location, raw.quantity
+        elif isinstance(raw, dict):
+            unknown = set(raw) - {"sku", "location", "quantity"}
+            if unknown:
+                raise InvalidRequest(f"line {i + 1} has unknown fields: {sorted(unknown)}")
+            sku, loc, qty = raw.get("sku"), raw.get("location"), raw.get("quantity")
+        elif isinstance(raw, (tuple, list)) and len(raw) == 3:
+            sku, loc, qty = raw
+        else:
+            raise InvalidRequest(f"line {i + 1} must be (sku, location, quantity)")
+        parsed.append(Line(name(sku, "sku"), name(loc, "location"), quantity(qty)))
+        if len(parsed) > MAX_LINES:
+            raise InvalidRequest(f"a cart has at most {MAX_LINES} lines", field="lines")
+    if not parsed:
+        raise InvalidRequest("a cart needs at least one line", field="lines")
+    parsed.sort(key=lambda line: (line.sku, line.location))
+    for a, b in zip(parsed, parsed[1:]):
+        if (a.sku, a.location) == (b.sku, b.location):
+            raise InvalidRequest(
+                f"two lines for the same stock ({a.sku!r} at {a.location!r}); merge them",
+                field="lines",
+            )
+    return parsed

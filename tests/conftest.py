@@ -1,0 +1,83 @@
+"""Fixtures: one embedded PostgreSQL 18 per test run, a migrated template, a fresh database per test."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+import pytest_asyncio
+
+from pgreserve import Database, ReservationService, Tenant
+from pgreserve.db import migrate as migrations
+from pgreserve.db.embedded import EmbeddedServer
+
+TEMPLATE = "pgreserve_template"
+_counter = itertools.count()
+
+# Tests do not test durability against power loss; fault tests that crash the
+# server rely on WAL replay, which works with fsync off as long as the OS stays up.
+TEST_SETTINGS = {"fsync": "off", "full_page_writes": "off", "synchronous_commit": "off"}
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[EmbeddedServer]:
+    root = Path(tempfile.mkdtemp(prefix="pgreserve-test-"))
+    server = EmbeddedServer(root / "data", extra_settings=TEST_SETTINGS)
+    server.start()
+    admin = server.dsn("postgres")
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {TEMPLATE}")
+        conn.execute(f"CREATE DATABASE {TEMPLATE}")
+    migrations.migrate(server.dsn(TEMPLATE))
+    yield server
+    server.stop()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def dsn(pg_server: EmbeddedServer) -> Iterator[str]:
+    """A fresh, migrated database for one test."""
+    name = f"t{os.getpid()}_{next(_counter)}"
+    admin = pg_server.dsn("postgres")
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name} TEMPLATE {TEMPLATE}")
+    yield pg_server.dsn(name)
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest_asyncio.fixture
+async def db(dsn: str) -> AsyncIterator[Database]:
+    async with Database(dsn, max_size=16) as database:
+        yield database
+
+
+@pytest_asyncio.fixture
+async def service(db: Database) -> ReservationService:
+    return ReservationService(db)
+
+
+@pytest_asyncio.fixture
+async def tenant(service: ReservationService) -> Tenant:
+    return await service.create_tenant("acme")
+
+
+@pytest.fixture(params=["row", "pool"])
+def strategy(request: pytest.FixtureRequest) -> str:
+    """Run a test once per stock strategy."""
+    return str(request.param)
+
+
+def table_counts(dsn: str) -> dict[str, int]:
+    """Row counts of every table that a write would touch."""
+    tables = ["tenant", "stock_bucket", "stock_unit", "reservation", "reservation_line",
+              "request_ledger", "stock_movement", "outbox_event"]
+    with psycopg.connect(dsn) as conn:
+        return {t: conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0]  # type: ignore[index]
+                for t in tables}
