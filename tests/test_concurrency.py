@@ -1,0 +1,256 @@
+"""Races with many real connections at once, then the invariants asserted."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import datetime, timedelta, timezone
+
+import psycopg
+import pytest
+
+from pgreserve import Database, ReservationService, Status, Tenant
+from pgreserve.core.service import digest
+from pgreserve.errors import IdempotencyKeyReused, ReservationClaimed, ReservationReleased
+
+
+async def wait_until_blocked(dsn: str, count: int = 1) -> None:
+    """Wait until `count` pgreserve backends are waiting on a lock."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for _ in range(500):
+            n = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                " AND application_name = 'pgreserve:core' AND wait_event_type = 'Lock'"
+            ).fetchone()[0]  # type: ignore[index]
+            if n >= count:
+                return
+            await asyncio.sleep(0.01)
+    raise AssertionError("no backend ever waited on the lock")
+
+
+def deadlocks(dsn: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return int(conn.execute(
+            "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
+        ).fetchone()[0])  # type: ignore[index]
+
+
+def reserve_sql(tenant: int, key: str, sku: str, loc: str, qty: int) -> tuple[str, tuple[object, ...]]:
+    """The exact call ReservationService.reserve makes, for a hand-driven transaction."""
+    fp = digest("reserve", {"lines": [[sku, loc, qty]], "ttl_ms": 900_000})
+    return ("SELECT reserve_v1(%s, %s, %s, %s, %s, %s, %s)",
+            (tenant, key, fp, [sku], [loc], [qty], timedelta(minutes=15)))
+
+
+async def test_64_clients_race_for_50_units(dsn: str, strategy: str) -> None:
+    """64 clients x 20 one-unit requests with distinct keys against 50 units: exactly 50 holds."""
+    async with Database(dsn, min_size=64, max_size=64) as db:
+        service = ReservationService(db)
+        tenant = await service.create_tenant("race")
+        await service.set_stock(tenant.id, "hot", "w", 50, strategy=strategy)
+
+        async def client(c: int) -> int:
+            held = 0
+            for r in range(20):
+                out = await service.reserve(tenant.id, f"c{c}-r{r}", [("hot", "w", 1)])
+                held += out.held
+            return held
+
+        results = await asyncio.gather(*(client(c) for c in range(64)))
+        assert sum(results) == 50
+        view = await service.get_stock(tenant.id, "hot", "w")
+        assert (view.on_hand, view.reserved, view.available) == (50, 50, 0)
+        assert await service.invariant_violations() == []
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*), sum(quantity) FROM reservation_line").fetchone() == (
+            50, 50)
+
+
+@pytest.mark.parametrize("first_ends", ["commit", "rollback"])
+async def test_competing_shortage_with_paused_first(
+        dsn: str, service: ReservationService, tenant: Tenant, first_ends: str) -> None:
+    """Stock 10, requests of 7 and 6: with 7 paused before commit, 6 waits, then fails or succeeds."""
+    await service.set_stock(tenant.id, "s", "w", 10)
+    sql, params = reserve_sql(tenant.id, "A", "s", "w", 7)
+    with psycopg.connect(dsn) as first:
+        outcome = first.execute(sql, params).fetchone()[0]  # type: ignore[index]
+        assert outcome["status"] == "held"
+        second = asyncio.create_task(service.reserve(tenant.id, "B", [("s", "w", 6)]))
+        await wait_until_blocked(dsn)
+        assert not second.done()
+        if first_ends == "commit":
+            first.commit()
+        else:
+            first.rollback()
+    result = await second
+    view = await service.get_stock(tenant.id, "s", "w")
+    if first_ends == "commit":
+        assert not result.held
+        assert (view.reserved, view.available) == (7, 3)
+    else:
+        assert result.held
+        assert (view.reserved, view.available) == (6, 4)
+    assert await service.invariant_violations() == []
+
+
+async def test_opposite_order_carts_never_partial_never_deadlock(dsn: str, strategy: str) -> None:
+    """Carts naming two SKUs in opposite orders, many rounds at once: whole carts only, no deadlock."""
+    async with Database(dsn, min_size=16, max_size=16) as db:
+        service = ReservationService(db)
+        tenant = await service.create_tenant("carts")
+        for sku in ("A", "B"):
+            await service.set_stock(tenant.id, sku, "w", 300, strategy=strategy)
+        before = deadlocks(dsn)
+
+        async def buyer(n: int) -> list[str]:
+            ids = []
+            for r in range(25):
+                lines = [("A", "w", 2), ("B", "w", 3)]
+                if (n + r) % 2:
+                    lines.reverse()
+                out = await service.reserve(tenant.id, f"{n}-{r}", lines)
+                if out.held:
+                    assert out.reservation is not None
+                    ids.append(out.reservation.id)
+                    if r % 3 == 0:
+                        await service.release(tenant.id, out.reservation.id)
+            return ids
+
+        held = [i for ids in await asyncio.gather(*(buyer(n) for n in range(16))) for i in ids]
+        for rid in held:
+            res = await service.get_reservation(tenant.id, rid)
+            assert sorted((x.sku, x.quantity) for x in res.lines) == [("A", 2), ("B", 3)]
+        a = await service.get_stock(tenant.id, "A", "w")
+        b = await service.get_stock(tenant.id, "B", "w")
+        # every cart took 2 A and 3 B together, or nothing
+        assert a.reserved * 3 == b.reserved * 2
+        assert a.available == 300 - a.reserved and b.available == 300 - b.reserved
+        assert await service.invariant_violations() == []
+        assert deadlocks(dsn) == before
+
+
+async def test_same_key_from_8_connections_has_one_effect(
+        dsn: str, strategy: str) -> None:
+    """8 concurrent requests with one key: one reservation, one decrement, one answer."""
+    async with Database(dsn, min_size=8, max_size=8) as db:
+        service = ReservationService(db)
+        tenant = await service.create_tenant("dup")
+        await service.set_stock(tenant.id, "s", "w", 10, strategy=strategy)
+        outs = await asyncio.gather(*(
+            service.reserve(tenant.id, "order-A-reserve-1", [("s", "w", 7)]) for _ in range(8)))
+        ids = {o.reservation.id for o in outs if o.reservation}
+        assert all(o.held for o in outs) and len(ids) == 1
+        assert sum(not o.replayed for o in outs) == 1
+        with pytest.raises(IdempotencyKeyReused):
+            await service.reserve(tenant.id, "order-A-reserve-1", [("s", "w", 8)])
+        view = await service.get_stock(tenant.id, "s", "w")
+        assert (view.reserved, view.available) == (7, 3)
+        original = await service.get_reservation(tenant.id, ids.pop())
+        assert original.lines[0].quantity == 7
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM reservation").fetchone() == (1,)
+
+
+async def test_lost_reply_after_commit_is_recovered_by_key(
+        dsn: str, service: ReservationService, tenant: Tenant) -> None:
+    """Committed but the reply never arrived: the retry with the same key returns the original."""
+    await service.set_stock(tenant.id, "s", "w", 10)
+    sql, params = reserve_sql(tenant.id, "A", "s", "w", 7)
+    with psycopg.connect(dsn) as conn:
+        conn.execute(sql, params)
+        conn.commit()  # the client never reads the answer
+    with psycopg.connect(dsn) as conn:
+        stored = conn.execute(
+            "SELECT outcome->'reservation'->>'id' FROM request_ledger WHERE request_key = 'A'"
+        ).fetchone()[0]  # type: ignore[index]
+    retry = await service.reserve(tenant.id, "A", [("s", "w", 7)])
+    assert retry.replayed and retry.reservation is not None
+    assert retry.reservation.id == stored
+    view = await service.get_stock(tenant.id, "s", "w")
+    assert (view.reserved, view.available) == (7, 3)
+
+
+async def test_rollback_before_commit_lets_the_retry_run(
+        dsn: str, service: ReservationService, tenant: Tenant) -> None:
+    """Rolled back before commit: the retry with the same key reserves normally."""
+    await service.set_stock(tenant.id, "s", "w", 10)
+    sql, params = reserve_sql(tenant.id, "A", "s", "w", 7)
+    with psycopg.connect(dsn) as conn:
+        conn.execute(sql, params)
+        conn.rollback()
+    retry = await service.reserve(tenant.id, "A", [("s", "w", 7)])
+    assert retry.held and not retry.replayed
+    view = await service.get_stock(tenant.id, "s", "w")
+    assert (view.reserved, view.available) == (7, 3)
+
+
+class FarFuture:
+    def __call__(self) -> datetime:
+        return datetime.now(timezone.utc) + timedelta(hours=1)
+
+
+async def test_release_races_release_sweeper_and_claim(dsn: str, strategy: str) -> None:
+    """Release vs release, release vs sweeper, claim vs release: each hold restored at most once."""
+    async with Database(dsn, min_size=24, max_size=24) as db:
+        service = ReservationService(db)
+        sweeper = ReservationService(db, clock=FarFuture())
+        tenant = await service.create_tenant("races")
+        await service.set_stock(tenant.id, "s", "w", 600, strategy=strategy)
+        ids = []
+        for i in range(150):
+            out = await service.reserve(tenant.id, f"k{i}", [("s", "w", 2)], ttl=60)
+            assert out.reservation is not None
+            ids.append(out.reservation.id)
+
+        async def quiet(coro: object) -> object:
+            try:
+                return await coro  # type: ignore[misc]
+            except (ReservationClaimed, ReservationReleased) as exc:
+                return exc
+
+        jobs = []
+        for n, rid in enumerate(ids):
+            if n % 3 == 0:
+                jobs += [service.release(tenant.id, rid), service.release(tenant.id, rid)]
+            elif n % 3 == 1:
+                jobs += [service.release(tenant.id, rid)]
+            else:
+                jobs += [service.claim(tenant.id, rid), service.release(tenant.id, rid)]
+        jobs += [sweeper.expire_due(20) for _ in range(8)]
+        await asyncio.gather(*(quiet(j) for j in jobs))
+
+        final = [await service.get_reservation(tenant.id, rid) for rid in ids]
+        statuses = [r.status for r in final]
+        claimed = sum(s is Status.CLAIMED for s in statuses)
+        # claimed after the sweeper had expired it: one restore, then the late claim's sale
+        late = sum(r.status is Status.CLAIMED and r.expired_at is not None for r in final)
+        assert all(s is not Status.ACTIVE or n % 3 == 1 for n, s in enumerate(statuses))
+        view = await service.get_stock(tenant.id, "s", "w")
+        active = sum(s is Status.ACTIVE for s in statuses)
+        assert view.on_hand == 600 - 2 * claimed
+        assert view.reserved == 2 * active
+        assert await service.invariant_violations() == []
+    with psycopg.connect(dsn) as conn:
+        restores = conn.execute(
+            "SELECT count(*), count(DISTINCT (reservation_id, line_no)) FROM stock_movement"
+            " WHERE kind = 'restore'").fetchone()
+        assert restores is not None and restores[0] == restores[1]
+        assert restores[0] == len(ids) - claimed - active + late
+
+
+async def test_two_sweepers_expire_each_hold_once(dsn: str, strategy: str) -> None:
+    """Several sweepers at once: every due reservation is expired once, restored once."""
+    async with Database(dsn, min_size=6, max_size=6) as db:
+        service = ReservationService(db)
+        sweeper = ReservationService(db, clock=FarFuture())
+        tenant = await service.create_tenant("sweep")
+        await service.set_stock(tenant.id, "s", "w", 1000, strategy=strategy)
+        for i in range(300):
+            assert (await service.reserve(tenant.id, f"k{i}", [("s", "w", 3)], ttl=30)).held
+        counts = await asyncio.gather(*(sweeper.expire_due(37) for _ in range(12)))
+        while (n := await sweeper.expire_due(500)) > 0:
+            counts.append(n)
+        assert sum(counts) == 300
+        view = await service.get_stock(tenant.id, "s", "w")
+        assert (view.on_hand, view.reserved, view.available) == (1000, 0, 1000)
+        assert await sweeper.invariant_violations() == []
