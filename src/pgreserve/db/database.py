@@ -141,17 +141,30 @@ class Database:
     async def _once(self, sql: LiteralString, params: Sequence[Any] | Mapping[str, Any]) -> Any:
         s = self.settings
         async with self.pool.connection() as conn:
-            # Pipeline mode sends BEGIN, the local limits, the call and COMMIT
-            # together: one round trip for the whole transaction.
-            async with conn.pipeline():
-                async with conn.transaction():
+            # BEGIN, the transaction-local limits, the call and COMMIT go out in
+            # one pipeline sync: one round trip, and the transaction never
+            # waits on the client while it holds locks. (psycopg's
+            # transaction() would sync once more before COMMIT.)
+            try:
+                # prepare=False: an aborted pipeline skips a PREPARE that
+                # psycopg would still believe done. The call's own plan is
+                # trivial; the function bodies' plans are cached by PL/pgSQL.
+                async with conn.pipeline():
+                    await conn.execute("BEGIN", prepare=False)
                     await conn.execute(
                         "SELECT set_config('lock_timeout', %s, true),"
                         " set_config('statement_timeout', %s, true)",
                         (f"{s.lock_timeout_ms}ms", f"{s.statement_timeout_ms}ms"),
+                        prepare=False,
                     )
                     cur = conn.cursor(row_factory=tuple_row)
-                    await cur.execute(sql, params)
+                    await cur.execute(sql, params, prepare=False)
+                    await conn.execute("COMMIT", prepare=False)
+            except BaseException:
+                if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE \
+                        and not conn.closed:
+                    await conn.execute("ROLLBACK")
+                raise
             row = await cur.fetchone()
             return None if row is None else row[0]
 

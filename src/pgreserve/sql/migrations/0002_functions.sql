@@ -23,16 +23,19 @@ END $$;
 -- as reserved, whether or not the sweeper has run.
 CREATE FUNCTION bucket_view_v1(p_tenant bigint, p_bucket bigint, p_now timestamptz)
 RETURNS jsonb LANGUAGE sql STABLE AS $$
+    -- available = free + pool + holds already past expiry; reading it touches
+    -- only the expired part of the held-lines index, never every hold.
     SELECT jsonb_build_object(
         'sku', b.sku, 'location', b.location, 'on_hand', b.on_hand,
-        'reserved', h.reserved, 'available', b.on_hand - h.reserved,
+        'reserved', b.on_hand - (b.free + p.pool + e.expired),
+        'available', b.free + p.pool + e.expired,
         'strategy', b.strategy, 'pool', p.pool, 'pool_cap', b.pool_cap,
         'shortfall', b.shortfall)
     FROM stock_bucket b,
-    LATERAL (SELECT coalesce(sum(l.quantity) FILTER (WHERE l.expires_at > p_now), 0)::bigint
-                 AS reserved
+    LATERAL (SELECT coalesce(sum(l.quantity), 0)::bigint AS expired
              FROM reservation_line l
-             WHERE l.tenant_id = b.tenant_id AND l.bucket_id = b.bucket_id AND l.held) h,
+             WHERE l.tenant_id = b.tenant_id AND l.bucket_id = b.bucket_id AND l.held
+               AND l.expires_at <= p_now) e,
     LATERAL (SELECT count(*)::bigint AS pool FROM stock_unit u
              WHERE u.tenant_id = b.tenant_id AND u.bucket_id = b.bucket_id) p
     WHERE b.tenant_id = p_tenant AND b.bucket_id = p_bucket
@@ -125,109 +128,163 @@ BEGIN
         SELECT p_tenant, p_bucket FROM generate_series(1, added);
     END IF;
     IF v_reclaimed <> 0 OR added <> 0 OR direct <> 0 THEN
-        UPDATE stock_bucket SET free = v_free - added - direct, updated_at = p_now
+        UPDATE stock_bucket
+        SET free = v_free - added - direct, updated_at = p_now,
+            pool_lo = coalesce((SELECT min(unit_id) FROM stock_unit
+                                WHERE tenant_id = p_tenant AND bucket_id = p_bucket), 0),
+            pool_hi = coalesce((SELECT max(unit_id) FROM stock_unit
+                                WHERE tenant_id = p_tenant AND bucket_id = p_bucket), 0)
         WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
     END IF;
 END $$;
 
--- Set aside p_qty units of one bucket for the caller's transaction.
--- row:  a conditional decrement of free (nothing written when short).
--- pool: locks p_qty units with SKIP LOCKED (deleted by the caller once the
---       whole cart is known to fit); refills inline when short, unless the
---       bucket is plainly sold out, which is answered without any lock.
--- ok=false means the bucket cannot give p_qty units now; what was set aside
--- (row: p_qty from free; pool: direct units from free) is in direct/row_taken
--- so the caller can give it back.
-CREATE FUNCTION bucket_take_v1(p_tenant bigint, p_bucket bigint, p_qty integer,
-                               p_now timestamptz,
-                               OUT ok boolean, OUT unit_ids bigint[], OUT direct integer,
-                               OUT row_taken boolean)
-LANGUAGE plpgsql AS $$
+-- Take up to p_qty pool units of one bucket, starting at p_start and wrapping
+-- around: lock with SKIP LOCKED and delete in one statement. Returns how many.
+CREATE FUNCTION pool_take_units_v1(p_tenant bigint, p_bucket bigint, p_qty integer,
+                                   p_start bigint)
+RETURNS integer LANGUAGE plpgsql AS $$
 DECLARE
+    v_n integer;
+    v_more integer;
+BEGIN
+    WITH picked AS (
+        SELECT unit_id FROM stock_unit
+        WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND unit_id >= p_start
+        ORDER BY unit_id
+        LIMIT p_qty
+        FOR UPDATE SKIP LOCKED
+    ), taken AS (
+        DELETE FROM stock_unit u USING picked
+        WHERE u.tenant_id = p_tenant AND u.bucket_id = p_bucket AND u.unit_id = picked.unit_id
+        RETURNING 1
+    )
+    SELECT count(*) INTO v_n FROM taken;
+    IF v_n < p_qty AND p_start > 0 THEN
+        WITH picked AS (
+            SELECT unit_id FROM stock_unit
+            WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND unit_id < p_start
+            ORDER BY unit_id
+            LIMIT p_qty - v_n
+            FOR UPDATE SKIP LOCKED
+        ), taken AS (
+            DELETE FROM stock_unit u USING picked
+            WHERE u.tenant_id = p_tenant AND u.bucket_id = p_bucket
+              AND u.unit_id = picked.unit_id
+            RETURNING 1
+        )
+        SELECT count(*) INTO v_more FROM taken;
+        v_n := v_n + v_more;
+    END IF;
+    RETURN v_n;
+END $$;
+
+-- Take p_qty units of one bucket for the caller's transaction, all or none.
+-- row:  a conditional decrement of free; the decrement is the check.
+-- pool: units taken with SKIP LOCKED; refilled inline when short, unless the
+--       bucket is plainly sold out, which is answered without any lock.
+-- Either way, when the bucket is short, holds past their expiry are given up
+-- first. Returns false (with nothing taken) when p_qty cannot be had now.
+-- p_strategy, p_lo and p_hi are the caller's snapshot of the bucket (NULL:
+-- read it here).
+CREATE FUNCTION bucket_take_v1(p_tenant bigint, p_bucket bigint, p_qty integer,
+                               p_now timestamptz, p_strategy text DEFAULT NULL,
+                               p_lo bigint DEFAULT NULL, p_hi bigint DEFAULT NULL)
+RETURNS boolean LANGUAGE plpgsql AS $$
+DECLARE
+    v_strategy text := p_strategy;
+    v_lo bigint := p_lo;
+    v_hi bigint := p_hi;
     v_free bigint;
-    v_strategy text;
     v_got integer;
-    v_more bigint[];
     v_rep record;
     v_reclaimed bigint;
 BEGIN
-    ok := false;
-    unit_ids := '{}';
-    direct := 0;
-    row_taken := false;
-
-    -- row strategy: the decrement is the check.
-    UPDATE stock_bucket SET free = free - p_qty
-    WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND strategy = 'row'
-      AND free >= p_qty;
-    IF FOUND THEN
-        ok := true;
-        row_taken := true;
-        RETURN;
+    IF v_strategy IS NULL THEN
+        SELECT strategy, pool_lo, pool_hi INTO v_strategy, v_lo, v_hi
+        FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
     END IF;
 
-    SELECT free, strategy INTO v_free, v_strategy
-    FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
-
     IF v_strategy = 'row' THEN
-        -- Short, unless expired holds can be given up first.
-        IF NOT EXISTS (SELECT 1 FROM reservation_line
-                       WHERE tenant_id = p_tenant AND bucket_id = p_bucket
-                         AND held AND expires_at <= p_now) THEN
-            RETURN;
-        END IF;
-        PERFORM 1 FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
-        FOR NO KEY UPDATE;
-        v_reclaimed := bucket_reclaim_expired_v1(p_tenant, p_bucket, p_now);
-        UPDATE stock_bucket SET free = free + v_reclaimed
-        WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
         UPDATE stock_bucket SET free = free - p_qty
         WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND strategy = 'row'
           AND free >= p_qty;
         IF FOUND THEN
-            ok := true;
-            row_taken := true;
+            RETURN true;
         END IF;
-        RETURN;
+        SELECT strategy, pool_lo, pool_hi INTO v_strategy, v_lo, v_hi
+        FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+        IF v_strategy = 'row' THEN
+            -- Short, unless expired holds can be given up first.
+            IF NOT EXISTS (SELECT 1 FROM reservation_line
+                           WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+                             AND held AND expires_at <= p_now) THEN
+                RETURN false;
+            END IF;
+            PERFORM 1 FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+            FOR NO KEY UPDATE;
+            v_reclaimed := bucket_reclaim_expired_v1(p_tenant, p_bucket, p_now);
+            UPDATE stock_bucket SET free = free + v_reclaimed
+            WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+            UPDATE stock_bucket SET free = free - p_qty
+            WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND strategy = 'row'
+              AND free >= p_qty;
+            RETURN FOUND;
+        END IF;
+        -- switched to pool meanwhile: take from the pool below
     END IF;
 
-    -- pool strategy
-    SELECT coalesce(array_agg(unit_id), '{}') INTO unit_ids FROM (
-        SELECT unit_id FROM stock_unit
-        WHERE tenant_id = p_tenant AND bucket_id = p_bucket
-        ORDER BY unit_id
-        LIMIT p_qty
-        FOR UPDATE SKIP LOCKED) s;
-    v_got := cardinality(unit_ids);
+    v_got := pool_take_units_v1(
+        p_tenant, p_bucket, p_qty,
+        CASE WHEN v_hi > v_lo THEN v_lo + floor(random() * (v_hi - v_lo + 1))::bigint
+             ELSE 0 END);
     IF v_got = p_qty THEN
-        ok := true;
-        RETURN;
+        RETURN true;
     END IF;
 
     -- Sold out is cheap: nothing free and nothing expired means no refill can
     -- help, so answer now without queueing on the bucket lock.
+    SELECT free INTO v_free FROM stock_bucket
+    WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
     IF v_free < p_qty - v_got
        AND NOT EXISTS (SELECT 1 FROM reservation_line
                        WHERE tenant_id = p_tenant AND bucket_id = p_bucket
                          AND held AND expires_at <= p_now) THEN
-        RETURN;
+        PERFORM bucket_untake_v1(p_tenant, p_bucket, v_got, 'pool');
+        RETURN false;
     END IF;
 
     v_rep := pool_replenish_v1(p_tenant, p_bucket, p_qty - v_got, p_now);
-    direct := v_rep.direct;
-    IF v_got + direct < p_qty THEN
+    v_got := v_got + v_rep.direct;
+    IF v_got < p_qty THEN
         -- Another transaction may have refilled while this one waited.
-        SELECT coalesce(array_agg(unit_id), '{}') INTO v_more FROM (
-            SELECT unit_id FROM stock_unit
-            WHERE tenant_id = p_tenant AND bucket_id = p_bucket
-              AND NOT (unit_id = ANY (unit_ids))
-            ORDER BY unit_id
-            LIMIT p_qty - v_got - direct
-            FOR UPDATE SKIP LOCKED) s;
-        unit_ids := unit_ids || v_more;
-        v_got := cardinality(unit_ids);
+        v_got := v_got + pool_take_units_v1(p_tenant, p_bucket, p_qty - v_got, 0);
     END IF;
-    ok := v_got + direct >= p_qty;
+    IF v_got < p_qty THEN
+        -- Direct units came out of free under the bucket lock this
+        -- transaction holds: put them back there; the rest into the pool.
+        UPDATE stock_bucket SET free = free + v_rep.direct
+        WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+        PERFORM bucket_untake_v1(p_tenant, p_bucket, v_got - v_rep.direct, 'pool');
+        RETURN false;
+    END IF;
+    RETURN true;
+END $$;
+
+-- Undo a take of this transaction: row units back to free (the caller holds
+-- the row lock), pool units back into the pool (no bucket lock needed).
+CREATE FUNCTION bucket_untake_v1(p_tenant bigint, p_bucket bigint, p_qty integer,
+                                 p_strategy text)
+RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    IF p_qty <= 0 THEN
+        RETURN;
+    ELSIF p_strategy = 'row' THEN
+        UPDATE stock_bucket SET free = free + p_qty
+        WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+    ELSE
+        INSERT INTO stock_unit (tenant_id, bucket_id)
+        SELECT p_tenant, p_bucket FROM generate_series(1, p_qty);
+    END IF;
 END $$;
 
 -- Give back p_qty units of a line that is no longer held (release, expiry).
@@ -298,26 +355,42 @@ CREATE FUNCTION reserve_v1(p_tenant bigint, p_key text, p_digest text,
 RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
     v_now timestamptz := coalesce(p_now, clock_timestamp());
-    v_replay jsonb;
+    v_ledger request_ledger;
     v_buckets bigint[];
+    v_strategies text[];
+    v_los bigint[];
+    v_his bigint[];
     v_missing jsonb;
-    v_take record;
-    v_takes jsonb := '[]';
-    v_short jsonb := '[]';
+    v_taken integer := 0;
+    v_short integer[] := '{}';
     v_id uuid;
     v_outcome jsonb;
     v_view jsonb;
+    v_status text;
     i integer;
 BEGIN
-    v_replay := ledger_check_v1(p_tenant, p_key, 'reserve', p_digest);
-    IF v_replay IS NOT NULL THEN
-        RETURN v_replay;
+    -- Requests with one key run one after another: the second sees the first's
+    -- committed outcome instead of competing with it for stock (a pool buyer
+    -- would otherwise find its sibling's units locked and store a rejection).
+    -- Transaction-scoped, so it needs no session state; a hash collision only
+    -- serialises two unrelated requests, and the ledger's unique key stays the
+    -- guarantee.
+    PERFORM pg_advisory_xact_lock(hashtextextended(p_key, p_tenant));
+    SELECT * INTO v_ledger FROM request_ledger
+    WHERE tenant_id = p_tenant AND request_key = p_key;
+    IF FOUND THEN
+        IF v_ledger.operation <> 'reserve' OR v_ledger.digest <> p_digest THEN
+            RAISE EXCEPTION 'request key % was already used with different parameters', p_key
+                USING ERRCODE = 'PR422', DETAIL = v_ledger.operation;
+        END IF;
+        RETURN v_ledger.outcome || '{"replayed": true}';
     END IF;
 
-    SELECT array_agg(b.bucket_id ORDER BY u.ord),
+    SELECT array_agg(b.bucket_id ORDER BY u.ord), array_agg(b.strategy ORDER BY u.ord),
+           array_agg(b.pool_lo ORDER BY u.ord), array_agg(b.pool_hi ORDER BY u.ord),
            jsonb_agg(jsonb_build_object('sku', u.sku, 'location', u.loc) ORDER BY u.ord)
                FILTER (WHERE b.bucket_id IS NULL)
-    INTO v_buckets, v_missing
+    INTO v_buckets, v_strategies, v_los, v_his, v_missing
     FROM unnest(p_skus, p_locations) WITH ORDINALITY AS u(sku, loc, ord)
     LEFT JOIN stock_bucket b
       ON b.tenant_id = p_tenant AND b.sku = u.sku AND b.location = u.loc;
@@ -327,62 +400,71 @@ BEGIN
     END IF;
 
     FOR i IN 1 .. cardinality(v_buckets) LOOP
-        v_take := bucket_take_v1(p_tenant, v_buckets[i], p_quantities[i], v_now);
-        v_takes := v_takes || jsonb_build_object(
-            'ok', v_take.ok, 'row_taken', v_take.row_taken, 'direct', v_take.direct,
-            'units', to_jsonb(v_take.unit_ids));
-        IF NOT v_take.ok THEN
-            v_short := v_short || jsonb_build_object(
-                'sku', p_skus[i], 'location', p_locations[i], 'requested', p_quantities[i]);
+        IF bucket_take_v1(p_tenant, v_buckets[i], p_quantities[i], v_now,
+                          v_strategies[i], v_los[i], v_his[i]) THEN
+            IF v_short = '{}' THEN
+                v_taken := i;
+            ELSE
+                PERFORM bucket_untake_v1(p_tenant, v_buckets[i], p_quantities[i],
+                                         v_strategies[i]);
+            END IF;
+        ELSE
+            v_short := v_short || i;
         END IF;
     END LOOP;
 
-    IF jsonb_array_length(v_short) > 0 THEN
-        -- Give back whatever this cart set aside, in the same order.
-        FOR i IN 1 .. cardinality(v_buckets) LOOP
-            IF (v_takes -> (i - 1) ->> 'row_taken')::boolean THEN
-                UPDATE stock_bucket SET free = free + p_quantities[i]
-                WHERE tenant_id = p_tenant AND bucket_id = v_buckets[i];
-            ELSIF (v_takes -> (i - 1) ->> 'direct')::integer > 0 THEN
-                UPDATE stock_bucket SET free = free + (v_takes -> (i - 1) ->> 'direct')::integer
-                WHERE tenant_id = p_tenant AND bucket_id = v_buckets[i];
-            END IF;
+    IF v_short <> '{}' THEN
+        -- Give back what the lines before the first short one took. (A take
+        -- that came back true also tells the bucket's current strategy: a
+        -- switch waits for this transaction once it has taken anything.)
+        FOR i IN 1 .. v_taken LOOP
+            PERFORM bucket_untake_v1(
+                p_tenant, v_buckets[i], p_quantities[i],
+                (SELECT strategy FROM stock_bucket
+                 WHERE tenant_id = p_tenant AND bucket_id = v_buckets[i]));
         END LOOP;
-        SELECT jsonb_agg(s || jsonb_build_object(
-                   'available', (bucket_view_v1(p_tenant, b.bucket_id, v_now) ->> 'available')::bigint))
-        INTO v_short
-        FROM jsonb_array_elements(v_short) s
-        JOIN stock_bucket b ON b.tenant_id = p_tenant AND b.sku = s ->> 'sku'
-                           AND b.location = s ->> 'location';
+        SELECT jsonb_agg(jsonb_build_object(
+                   'sku', p_skus[k], 'location', p_locations[k], 'requested', p_quantities[k],
+                   'available',
+                   (bucket_view_v1(p_tenant, v_buckets[k], v_now) ->> 'available')::bigint)
+                   ORDER BY k)
+        INTO v_outcome FROM unnest(v_short) AS k;
+        v_status := 'rejected';
         v_outcome := jsonb_build_object('status', 'rejected', 'reason', 'insufficient_stock',
-                                        'short_lines', v_short);
-        PERFORM ledger_record_v1(p_tenant, p_key, 'reserve', p_digest, 'rejected', v_outcome);
-        RETURN v_outcome;
+                                        'short_lines', v_outcome);
+    ELSE
+        v_id := gen_random_uuid();
+        INSERT INTO reservation (tenant_id, reservation_id, request_key, created_at, expires_at)
+        VALUES (p_tenant, v_id, p_key, v_now, v_now + p_ttl);
+        INSERT INTO reservation_line (tenant_id, reservation_id, line_no, bucket_id, quantity,
+                                      expires_at)
+        SELECT p_tenant, v_id, ord, bucket, qty, v_now + p_ttl
+        FROM unnest(v_buckets, p_quantities) WITH ORDINALITY AS u(bucket, qty, ord);
+        -- The same document reservation_view_v1 would read back, built from
+        -- what is known here.
+        v_view := jsonb_build_object(
+            'id', v_id, 'status', 'active', 'created_at', v_now,
+            'expires_at', v_now + p_ttl, 'claimed_at', NULL, 'released_at', NULL,
+            'expired_at', NULL,
+            'lines', (SELECT jsonb_agg(jsonb_build_object('sku', sku, 'location', loc,
+                                                          'quantity', qty) ORDER BY ord)
+                      FROM unnest(p_skus, p_locations, p_quantities)
+                           WITH ORDINALITY AS u(sku, loc, qty, ord)));
+        v_status := 'succeeded';
+        v_outcome := jsonb_build_object('status', 'held', 'reservation', v_view);
+        INSERT INTO outbox_event (tenant_id, type, payload)
+        VALUES (p_tenant, 'reservation.created', v_view);
     END IF;
 
-    -- Every line fits: consume the locked pool units.
-    FOR i IN 1 .. cardinality(v_buckets) LOOP
-        IF jsonb_array_length(v_takes -> (i - 1) -> 'units') > 0 THEN
-            DELETE FROM stock_unit
-            WHERE tenant_id = p_tenant AND bucket_id = v_buckets[i]
-              AND unit_id = ANY (ARRAY(SELECT jsonb_array_elements_text(
-                                          v_takes -> (i - 1) -> 'units')::bigint));
-        END IF;
-    END LOOP;
-
-    v_id := gen_random_uuid();
-    INSERT INTO reservation (tenant_id, reservation_id, request_key, created_at, expires_at)
-    VALUES (p_tenant, v_id, p_key, v_now, v_now + p_ttl);
-    INSERT INTO reservation_line (tenant_id, reservation_id, line_no, bucket_id, quantity,
-                                  expires_at)
-    SELECT p_tenant, v_id, ord, bucket, qty, v_now + p_ttl
-    FROM unnest(v_buckets, p_quantities) WITH ORDINALITY AS u(bucket, qty, ord);
-
-    v_view := reservation_view_v1(p_tenant, v_id, v_now);
-    v_outcome := jsonb_build_object('status', 'held', 'reservation', v_view);
-    PERFORM ledger_record_v1(p_tenant, p_key, 'reserve', p_digest, 'succeeded', v_outcome);
-    INSERT INTO outbox_event (tenant_id, type, payload)
-    VALUES (p_tenant, 'reservation.created', v_view);
+    INSERT INTO request_ledger (tenant_id, request_key, operation, digest, status, outcome)
+    VALUES (p_tenant, p_key, 'reserve', p_digest, v_status, v_outcome)
+    ON CONFLICT (tenant_id, request_key) DO NOTHING;
+    IF NOT FOUND THEN
+        -- The same key committed first while this one ran: undo this attempt;
+        -- the caller retries and gets the stored outcome.
+        RAISE EXCEPTION 'request key % was committed by a concurrent request', p_key
+            USING ERRCODE = 'PR409';
+    END IF;
     RETURN v_outcome;
 END $$;
 
@@ -411,7 +493,6 @@ DECLARE
     v_now timestamptz := coalesce(p_now, clock_timestamp());
     v_res reservation;
     v_line record;
-    v_take record;
     v_view jsonb;
 BEGIN
     v_res := reservation_lock_v1(p_tenant, p_id);
@@ -434,15 +515,9 @@ BEGIN
             WHERE tenant_id = p_tenant AND reservation_id = p_id AND line_no = v_line.line_no;
         ELSE
             -- Given up at expiry: take the units again, or fail the claim.
-            v_take := bucket_take_v1(p_tenant, v_line.bucket_id, v_line.quantity, v_now);
-            IF NOT v_take.ok THEN
+            IF NOT bucket_take_v1(p_tenant, v_line.bucket_id, v_line.quantity, v_now) THEN
                 RAISE EXCEPTION 'reservation % expired and its stock is gone', p_id
                     USING ERRCODE = 'PR425';
-            END IF;
-            IF cardinality(v_take.unit_ids) > 0 THEN
-                DELETE FROM stock_unit
-                WHERE tenant_id = p_tenant AND bucket_id = v_line.bucket_id
-                  AND unit_id = ANY (v_take.unit_ids);
             END IF;
         END IF;
         UPDATE stock_bucket
@@ -674,6 +749,7 @@ DECLARE
     v_view jsonb;
     v_outcome jsonb;
 BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended(p_key, p_tenant));
     v_replay := ledger_check_v1(p_tenant, p_key, 'adjust', p_digest);
     IF v_replay IS NOT NULL THEN
         RETURN v_replay;
