@@ -67,15 +67,17 @@ async def test_64_clients_race_for_50_units(dsn: str, strategy: str) -> None:
 
 
 @pytest.mark.parametrize("first_ends", ["commit", "rollback"])
+@pytest.mark.parametrize("first_qty,second_qty", [(7, 6), (6, 7)])
 async def test_competing_shortage_with_paused_first(
-        dsn: str, service: ReservationService, tenant: Tenant, first_ends: str) -> None:
-    """Stock 10, requests of 7 and 6: with 7 paused before commit, 6 waits, then fails or succeeds."""
-    await service.set_stock(tenant.id, "s", "w", 10)
-    sql, params = reserve_sql(tenant.id, "A", "s", "w", 7)
+        dsn: str, service: ReservationService, tenant: Tenant, first_ends: str,
+        strategy: str, first_qty: int, second_qty: int) -> None:
+    """Stock 10, requests of 7 and 6 (both orders): the second waits for the paused first, then fails or succeeds."""
+    await service.set_stock(tenant.id, "s", "w", 10, strategy=strategy)
+    sql, params = reserve_sql(tenant.id, "A", "s", "w", first_qty)
     with psycopg.connect(dsn) as first:
         outcome = first.execute(sql, params).fetchone()[0]  # type: ignore[index]
         assert outcome["status"] == "held"
-        second = asyncio.create_task(service.reserve(tenant.id, "B", [("s", "w", 6)]))
+        second = asyncio.create_task(service.reserve(tenant.id, "B", [("s", "w", second_qty)]))
         await wait_until_blocked(dsn)
         assert not second.done()
         if first_ends == "commit":
@@ -86,10 +88,10 @@ async def test_competing_shortage_with_paused_first(
     view = await service.get_stock(tenant.id, "s", "w")
     if first_ends == "commit":
         assert not result.held
-        assert (view.reserved, view.available) == (7, 3)
+        assert (view.reserved, view.available) == (first_qty, 10 - first_qty)
     else:
         assert result.held
-        assert (view.reserved, view.available) == (6, 4)
+        assert (view.reserved, view.available) == (second_qty, 10 - second_qty)
     assert await service.invariant_violations() == []
 
 

@@ -242,3 +242,22 @@ async def test_strategy_switch_keeps_every_unit(
     row = await service.set_stock(tenant.id, "s", "l", 20, strategy="row")
     assert (row.strategy.value, row.reserved, row.available, row.pool) == ("row", 10, 10, 0)
     await assert_invariants(service)
+
+
+async def test_invariant_check_finds_planted_drift(
+        service: ReservationService, tenant: Tenant, dsn: str) -> None:
+    """The invariant check reports an accounting drift, a stray pool unit and a finished-but-held line."""
+    import psycopg
+
+    await service.set_stock(tenant.id, "s", "l", 10)
+    out = await service.reserve(tenant.id, "k", [("s", "l", 2)])
+    assert out.reservation is not None
+    assert await service.invariant_violations() == []
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("UPDATE stock_bucket SET free = free + 1")
+        conn.execute("INSERT INTO stock_unit (tenant_id, bucket_id)"
+                     " SELECT tenant_id, bucket_id FROM stock_bucket")
+        conn.execute("ALTER TABLE reservation DISABLE TRIGGER reservation_transition_guard")
+        conn.execute("UPDATE reservation SET status = 'released', released_at = now()")
+    rules = {v.rule for v in await service.invariant_violations()}
+    assert rules == {"accounting", "pool_on_row_bucket", "finished_but_held"}

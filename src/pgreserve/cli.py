@@ -18,6 +18,7 @@ from .core.service import ReservationService
 from .db import migrate as migrations
 from .db.database import Database
 from .workers.base import run_forever
+from .workers.replenisher import Replenisher
 from .workers.sweeper import Sweeper
 
 console = Console(stderr=True)
@@ -109,7 +110,7 @@ def tenant_create(name: str, as_json: bool, database_url: str | None,
 @main.command()
 @with_db
 def worker(database_url: str | None, data_dir: str | None) -> None:
-    """Run the background workers (expiry sweeper) until SIGTERM or Ctrl-C."""
+    """Run the background workers (expiry sweeper, pool replenisher) until SIGTERM or Ctrl-C."""
     with _dsn(database_url, data_dir) as dsn:
         migrations.migrate(dsn)
         asyncio.run(_run_workers(dsn, announce=None))
@@ -131,13 +132,14 @@ async def _run_workers(dsn: str, announce: str | None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with Database(dsn, max_size=2, application_name="pgreserve:sweeper") as database:
-        service = ReservationService(database)
-        sweeper = Sweeper(service)
+    async with Database(dsn, max_size=1, application_name="pgreserve:sweeper") as sweep_db, \
+            Database(dsn, max_size=1, application_name="pgreserve:replenisher") as refill_db:
+        sweeper = Sweeper(ReservationService(sweep_db))
+        replenisher = Replenisher(ReservationService(refill_db))
         if announce:
             console.print(f"[bold green]pgreserve is up[/] database: {announce}")
-            console.print("workers: expiry sweeper. Press Ctrl-C to stop.")
-        await run_forever(sweeper, stop)
+            console.print("workers: expiry sweeper, pool replenisher. Press Ctrl-C to stop.")
+        await asyncio.gather(run_forever(sweeper, stop), run_forever(replenisher, stop))
     console.print("pgreserve stopped cleanly")
 
 

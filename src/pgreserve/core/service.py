@@ -182,6 +182,20 @@ class ReservationService:
         batch = check.integer(batch, "batch", 1, SWEEP_BATCH_MAX)
         return int(await self.db.call("SELECT expire_due_v1(%s, %s)", (batch, self.clock())))
 
+    async def refill_candidates(self, low_water: float, limit: int) -> list[tuple[int, int]]:
+        """Pool buckets under `low_water` x pool_cap with free stock, most depleted first."""
+        rows = await self.db.fetch(
+            "SELECT tenant_id, bucket_id FROM pool_refill_candidates_v1(%s::real, %s::integer)",
+            (low_water, limit),
+        )
+        return [(int(r[0]), int(r[1])) for r in rows]
+
+    async def refill(self, tenant: int, bucket_id: int) -> int | None:
+        """Refill one pool bucket to its cap; None when another transaction holds it."""
+        added = await self.db.call("SELECT pool_refill_v1(%s, %s, %s)",
+                                   (tenant, bucket_id, self.clock()))
+        return None if added is None else int(added)
+
     # -- checks ----------------------------------------------------------------
 
     async def invariant_violations(self, tenant: int | None = None) -> list[Violation]:

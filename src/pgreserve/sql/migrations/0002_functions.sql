@@ -138,6 +138,36 @@ BEGIN
     END IF;
 END $$;
 
+-- Pool buckets below their low-water mark (a share of pool_cap) that have free
+-- stock to refill from, most depleted first. For the background replenisher.
+CREATE FUNCTION pool_refill_candidates_v1(p_low_water real, p_limit integer)
+RETURNS TABLE (tenant_id bigint, bucket_id bigint, pool bigint, pool_cap integer)
+LANGUAGE sql STABLE AS $$
+    SELECT b.tenant_id, b.bucket_id, p.pool, b.pool_cap
+    FROM stock_bucket b,
+    LATERAL (SELECT count(*) AS pool FROM (
+                 SELECT 1 FROM stock_unit u
+                 WHERE u.tenant_id = b.tenant_id AND u.bucket_id = b.bucket_id
+                 LIMIT b.pool_cap) s) p
+    WHERE b.strategy = 'pool' AND b.free > 0 AND p.pool < b.pool_cap * p_low_water
+    ORDER BY p.pool::real / b.pool_cap
+    LIMIT p_limit
+$$;
+
+-- Background refill of one bucket; skips it when another transaction holds
+-- the bucket (that one is refilling or changing it). Returns units added, or
+-- NULL when skipped.
+CREATE FUNCTION pool_refill_v1(p_tenant bigint, p_bucket bigint, p_now timestamptz DEFAULT NULL)
+RETURNS integer LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM 1 FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+    FOR NO KEY UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    RETURN (pool_replenish_v1(p_tenant, p_bucket, 0, coalesce(p_now, clock_timestamp()))).added;
+END $$;
+
 -- Take up to p_qty pool units of one bucket, starting at p_start and wrapping
 -- around: lock with SKIP LOCKED and delete in one statement. Returns how many.
 CREATE FUNCTION pool_take_units_v1(p_tenant bigint, p_bucket bigint, p_qty integer,
@@ -249,16 +279,41 @@ BEGIN
        AND NOT EXISTS (SELECT 1 FROM reservation_line
                        WHERE tenant_id = p_tenant AND bucket_id = p_bucket
                          AND held AND expires_at <= p_now) THEN
+        -- A refill that committed after the take's snapshot but before the
+        -- read of free is visible now: one more look before saying no.
+        v_got := v_got + pool_take_units_v1(p_tenant, p_bucket, p_qty - v_got, 0);
+        IF v_got = p_qty THEN
+            RETURN true;
+        END IF;
+        -- Units other buyers have locked are not sold until they commit. Wait
+        -- for them (no SKIP LOCKED here) rather than turn away a buyer whose
+        -- units come back on a rollback: a stored rejection is final for its
+        -- key. An empty pool has nothing to wait for, so sold out stays cheap.
+        PERFORM 1 FROM stock_unit
+        WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+        ORDER BY unit_id LIMIT p_qty - v_got
+        FOR UPDATE;
+        IF FOUND THEN
+            v_got := v_got + pool_take_units_v1(p_tenant, p_bucket, p_qty - v_got, 0);
+            IF v_got = p_qty THEN
+                RETURN true;
+            END IF;
+        END IF;
         PERFORM bucket_untake_v1(p_tenant, p_bucket, v_got, 'pool');
         RETURN false;
     END IF;
 
+    -- Refill inline. Waiting for the bucket row lock is waiting for a refill
+    -- in flight; once it is ours, units that refill added are visible, so take
+    -- first and refill only if still short.
+    PERFORM 1 FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+    FOR NO KEY UPDATE;
+    v_got := v_got + pool_take_units_v1(p_tenant, p_bucket, p_qty - v_got, 0);
+    IF v_got = p_qty THEN
+        RETURN true;
+    END IF;
     v_rep := pool_replenish_v1(p_tenant, p_bucket, p_qty - v_got, p_now);
     v_got := v_got + v_rep.direct;
-    IF v_got < p_qty THEN
-        -- Another transaction may have refilled while this one waited.
-        v_got := v_got + pool_take_units_v1(p_tenant, p_bucket, p_qty - v_got, 0);
-    END IF;
     IF v_got < p_qty THEN
         -- Direct units came out of free under the bucket lock this
         -- transaction holds: put them back there; the rest into the pool.

@@ -1,0 +1,145 @@
+"""The pool strategy: refills, switches and partial takes under real concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import psycopg
+
+from pgreserve import Database, ReservationService
+from pgreserve.errors import WouldOversell
+from pgreserve.workers.replenisher import Replenisher, ReplenisherConfig
+
+
+def pool_size(dsn: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        return int(conn.execute("SELECT count(*) FROM stock_unit").fetchone()[0])  # type: ignore[index]
+
+
+async def test_short_pool_never_grants_a_partial_line(dsn: str) -> None:
+    """Buyers of 3 units against 10 units: only whole lines, exactly 3 holds, 1 unit left."""
+    async with Database(dsn, min_size=16, max_size=16) as db:
+        service = ReservationService(db)
+        tenant = await service.create_tenant("partial")
+        await service.set_stock(tenant.id, "s", "w", 10, strategy="pool", pool_cap=4)
+        outs = await asyncio.gather(*(
+            service.reserve(tenant.id, f"k{i}", [("s", "w", 3)]) for i in range(16)))
+        held = [o for o in outs if o.held]
+        assert len(held) == 3
+        assert all(o.reservation and o.reservation.lines[0].quantity == 3 for o in held)
+        view = await service.get_stock(tenant.id, "s", "w")
+        assert (view.reserved, view.available) == (9, 1)
+        assert await service.invariant_violations() == []
+
+
+async def test_sold_out_pool_rejects_with_pool_empty(
+        service: ReservationService) -> None:
+    """Once everything is held, requests are rejected and nothing is left in the pool or free."""
+    tenant = await service.create_tenant("soldout")
+    await service.set_stock(tenant.id, "s", "w", 5, strategy="pool")
+    assert (await service.reserve(tenant.id, "all", [("s", "w", 5)])).held
+    for i in range(5):
+        out = await service.reserve(tenant.id, f"no{i}", [("s", "w", 1)])
+        assert not out.held and out.short_lines[0].available == 0
+    view = await service.get_stock(tenant.id, "s", "w")
+    assert (view.pool, view.available) == (0, 0)
+
+
+async def test_refill_races_claims_restocks_and_corrections(dsn: str) -> None:
+    """Inline and background refills racing claims, releases, restocks and corrections keep pool + holds <= on_hand."""
+    async with Database(dsn, min_size=20, max_size=20) as db:
+        service = ReservationService(db)
+        tenant = await service.create_tenant("refill")
+        await service.set_stock(tenant.id, "s", "w", 400, strategy="pool", pool_cap=25)
+        replenisher = Replenisher(service, ReplenisherConfig(low_water=0.5))
+        rng = random.Random(7)
+        stop = asyncio.Event()
+
+        async def refiller() -> None:
+            while not stop.is_set():
+                await replenisher.run_once()
+                await asyncio.sleep(0.005)
+
+        async def buyer(n: int) -> None:
+            for r in range(30):
+                out = await service.reserve(tenant.id, f"b{n}-{r}",
+                                            [("s", "w", rng.randint(1, 4))])
+                if out.held and out.reservation is not None:
+                    if rng.random() < 0.5:
+                        await service.claim(tenant.id, out.reservation.id)
+                    else:
+                        await service.release(tenant.id, out.reservation.id)
+
+        async def stock_keeper() -> None:
+            for i in range(15):
+                await service.adjust_stock(tenant.id, f"in{i}", "s", "w", 10, reason="receipt")
+                try:
+                    await service.adjust_stock(tenant.id, f"out{i}", "s", "w", -7,
+                                               reason="damaged")
+                except WouldOversell:
+                    pass
+                await asyncio.sleep(0.01)
+
+        background = asyncio.create_task(refiller())
+        await asyncio.gather(*(buyer(n) for n in range(12)), stock_keeper())
+        stop.set()
+        await background
+        assert await service.invariant_violations() == []
+        view = await service.get_stock(tenant.id, "s", "w")
+        assert view.pool + view.reserved <= view.on_hand
+        assert replenisher.refills > 0
+
+
+async def test_strategy_switch_during_reservations_loses_nothing(dsn: str) -> None:
+    """Switching row <-> pool repeatedly while 16 buyers reserve: every unit accounted for once."""
+    async with Database(dsn, min_size=18, max_size=18) as db:
+        service = ReservationService(db)
+        tenant = await service.create_tenant("switch")
+        await service.set_stock(tenant.id, "s", "w", 300, strategy="row")
+        done = asyncio.Event()
+
+        async def switcher() -> int:
+            n = 0
+            while not done.is_set():
+                strategy = "pool" if n % 2 == 0 else "row"
+                await service.set_stock(tenant.id, "s", "w", 300, strategy=strategy,
+                                        pool_cap=40)
+                n += 1
+                await asyncio.sleep(0.01)
+            return n
+
+        async def buyer(b: int) -> int:
+            held = 0
+            for r in range(40):
+                out = await service.reserve(tenant.id, f"{b}-{r}", [("s", "w", 1)])
+                held += out.held
+            return held
+
+        task = asyncio.create_task(switcher())
+        held = await asyncio.gather(*(buyer(b) for b in range(16)))
+        done.set()
+        switches = await task
+        assert switches >= 2
+        # 640 one-unit requests for 300 units: all 300 sold, none twice
+        assert sum(held) == 300
+        view = await service.get_stock(tenant.id, "s", "w")
+        assert (view.on_hand, view.reserved, view.available) == (300, 300, 0)
+        assert await service.invariant_violations() == []
+        with psycopg.connect(dsn) as conn:
+            assert conn.execute("SELECT sum(quantity) FROM reservation_line WHERE held"
+                                ).fetchone() == (300,)
+
+
+async def test_release_and_expiry_return_units_to_the_pool(dsn: str) -> None:
+    """Released units go back into the pool, where the next buyer takes them."""
+    async with Database(dsn, max_size=4) as db:
+        service = ReservationService(db)
+        tenant = await service.create_tenant("back")
+        await service.set_stock(tenant.id, "s", "w", 3, strategy="pool")
+        out = await service.reserve(tenant.id, "a", [("s", "w", 3)])
+        assert out.reservation is not None and pool_size(dsn) == 0
+        await service.release(tenant.id, out.reservation.id)
+        assert pool_size(dsn) == 3
+        assert (await service.reserve(tenant.id, "b", [("s", "w", 3)])).held
+        assert await service.invariant_violations() == []
