@@ -67,7 +67,10 @@ def render(console: Console, scenario: Scenario, runs: list[RunResult]) -> None:
                           f"{_num(climb['ratio'], 2)}")
         table.add_row("pool dead tuples", f"{db.get('pool_dead_tuples_before', 'n/a')} -> "
                       f"{db.get('pool_dead_tuples_after', 'n/a')}",
-                      "pg_stat_user_tables, stock_unit_p* (before -> after)")
+                      "stock_unit_p* before -> after; peak "
+                      f"{db.get('pool_dead_tuples_peak', 'n/a')}, "
+                      f"{db.get('pool_rows_deleted', 'n/a')} rows deleted, "
+                      f"{db.get('pool_vacuums', 'n/a')} vacuums")
         table.add_row("deadlocks / commits / rollbacks",
                       f"{db.get('deadlocks', 'n/a')} / {db.get('xact_commit', 'n/a')} / "
                       f"{db.get('xact_rollback', 'n/a')}",

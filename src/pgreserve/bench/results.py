@@ -37,6 +37,8 @@ class DbSnapshot:
 
     pool_dead_tuples: int
     pool_live_tuples: int
+    pool_deleted: int
+    pool_vacuums: int
     deadlocks: int
     xact_commit: int
     xact_rollback: int
@@ -73,6 +75,7 @@ class RunResult:
     db_before: DbSnapshot | None = None
     db_after: DbSnapshot | None = None
     client_stats: dict[str, int] = field(default_factory=dict)
+    peak_pool_dead_tuples: int | None = None
 
     # -- counts ----------------------------------------------------------------
 
@@ -208,6 +211,10 @@ class RunResult:
             doc["deadlocks"] = after.deadlocks - before.deadlocks
             doc["xact_commit"] = after.xact_commit - before.xact_commit
             doc["xact_rollback"] = after.xact_rollback - before.xact_rollback
+            doc["pool_rows_deleted"] = after.pool_deleted - before.pool_deleted
+            doc["pool_vacuums"] = after.pool_vacuums - before.pool_vacuums
+        if self.peak_pool_dead_tuples is not None:
+            doc["pool_dead_tuples_peak"] = self.peak_pool_dead_tuples
         return doc
 
     def to_dict(self) -> dict[str, Any]:

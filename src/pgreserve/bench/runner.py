@@ -79,11 +79,16 @@ async def run_strategy(dsn: str, scenario: Scenario, strategy: str, *,
         buyers_db = Database(dsn, min_size=scenario.buyers, max_size=scenario.buyers,
                              application_name=BUYERS_APP)
         await buyers_db.open()
+        stop_watch = asyncio.Event()
+        watch = asyncio.create_task(_watch_dead_tuples(dsn, stop_watch))
         try:
             result = await _drive(ReservationService(buyers_db), service, tenant.id,
                                   scenario, strategy, requests, progress)
         finally:
             await buyers_db.close()
+            stop_watch.set()
+            peak = await watch
+        result.peak_pool_dead_tuples = peak
         result.client_stats = {f"client_{k}": v for k, v in asdict(buyers_db.stats).items()}
         await _settle_expiries(service, scenario, result)
         await _wait_backends_gone(dsn)
@@ -208,14 +213,34 @@ async def _snapshot(dsn: str) -> DbSnapshot:
     """Dead and live tuples of the pool partitions, and the database's transaction counters."""
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         cur = await conn.execute(
-            "SELECT coalesce(sum(n_dead_tup), 0), coalesce(sum(n_live_tup), 0)"
+            "SELECT coalesce(sum(n_dead_tup), 0), coalesce(sum(n_live_tup), 0),"
+            " coalesce(sum(n_tup_del), 0),"
+            " coalesce(sum(vacuum_count + autovacuum_count), 0)"
             " FROM pg_stat_user_tables WHERE relname LIKE 'stock\\_unit\\_p%'")
-        dead, live = (await cur.fetchone()) or (0, 0)
+        dead, live, deleted, vacuums = (await cur.fetchone()) or (0, 0, 0, 0)
         cur = await conn.execute(
             "SELECT deadlocks, xact_commit, xact_rollback FROM pg_stat_database"
             " WHERE datname = current_database()")
         deadlocks, commits, rollbacks = (await cur.fetchone()) or (0, 0, 0)
-    return DbSnapshot(int(dead), int(live), int(deadlocks), int(commits), int(rollbacks))
+    return DbSnapshot(int(dead), int(live), int(deleted), int(vacuums), int(deadlocks),
+                      int(commits), int(rollbacks))
+
+
+async def _watch_dead_tuples(dsn: str, stop: asyncio.Event, every_s: float = 0.5) -> int:
+    """The most dead tuples the pool partitions showed while the buyers ran (sampled)."""
+    peak = 0
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        while not stop.is_set():
+            cur = await conn.execute(
+                "SELECT coalesce(sum(n_dead_tup), 0) FROM pg_stat_user_tables"
+                " WHERE relname LIKE 'stock\\_unit\\_p%'")
+            row = await cur.fetchone()
+            peak = max(peak, int(row[0]) if row else 0)
+            try:
+                await asyncio.wait_for(stop.wait(), every_s)
+            except TimeoutError:
+                pass
+    return peak
 
 
 async def _ledger(db: Database, tenant: int) -> Ledger:
