@@ -92,7 +92,7 @@ async def run_strategy(dsn: str, scenario: Scenario, strategy: str, *,
         result.client_stats = {f"client_{k}": v for k, v in asdict(buyers_db.stats).items()}
         await _settle_expiries(service, scenario, result)
         await _wait_backends_gone(dsn)
-        result.db_before, result.db_after = before, await _snapshot(dsn)
+        result.db_before, result.db_after = before, await _settled_snapshot(dsn)
 
         if before_check is not None:
             await before_check(CheckContext(dsn, tenant.id, strategy))
@@ -207,6 +207,21 @@ async def _wait_backends_gone(dsn: str, timeout_s: float = 10.0) -> None:
             if row is None or row[0] == 0:
                 return
             await asyncio.sleep(0.05)
+
+
+async def _settled_snapshot(dsn: str, timeout_s: float = 3.0) -> DbSnapshot:
+    """A snapshot once the counters stop moving (exiting sessions flush theirs late)."""
+    deadline = time.monotonic() + timeout_s
+    last = await _snapshot(dsn)
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.25)
+        now = await _snapshot(dsn)
+        # (xact_commit moves with these very snapshots, so it is not compared)
+        if (now.pool_deleted, now.pool_dead_tuples, now.xact_rollback) == (
+                last.pool_deleted, last.pool_dead_tuples, last.xact_rollback):
+            return now
+        last = now
+    return last
 
 
 async def _snapshot(dsn: str) -> DbSnapshot:
