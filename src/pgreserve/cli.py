@@ -149,5 +149,9 @@ def _dsn(database_url: str | None, data_dir: str | None) -> Any:
 
 database_url_ctx = database_url
 
+from .bench.cli import bench  # noqa: E402
+
+main.add_command(bench)
+
 if __name__ == "__main__":
     sys.exit(main())

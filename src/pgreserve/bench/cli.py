@@ -1,0 +1,151 @@
+"""`pgreserve bench flash-sale`: run the benchmark and show what it measured.
+
+The integrator registers the group in pgreserve.cli with `main.add_command(bench)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ..db import migrate as migrations
+from ..db.embedded import EmbeddedServer
+from ..errors import InvalidRequest
+from . import report
+from .results import RunResult
+from .runner import BeforeCheck, run_scenario
+from .scenario import Scenario
+
+
+@click.group()
+def bench() -> None:
+    """Benchmarks."""
+
+
+@contextmanager
+def _database(url: str | None, durable: bool) -> Iterator[tuple[str, str]]:
+    """Yield (dsn, where): the given URL, or a fresh embedded server in a temporary directory."""
+    if url:
+        yield url, "external database"
+        return
+    root = Path(tempfile.mkdtemp(prefix="pgreserve-bench-"))
+    server = EmbeddedServer(root / "data",
+                            extra_settings={"synchronous_commit": "on" if durable else "off"})
+    try:
+        yield server.start(), f"embedded PostgreSQL in {root}"
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
+    """Build the flash-sale command; tests pass a hook that runs between the run and the checks."""
+
+    @click.command("flash-sale")
+    @click.option("--units", type=int, default=5_000, show_default=True,
+                  help="Units seeded per SKU.")
+    @click.option("--buyers", type=int, default=64, show_default=True,
+                  help="Concurrent buyers, one connection each.")
+    @click.option("--requests", "requests_", type=int, default=None,
+                  help="Reserve requests in total, retries included [default: 3 x units x skus].")
+    @click.option("--quantity", type=int, default=1, show_default=True, help="Units per request.")
+    @click.option("--skus", type=int, default=1, show_default=True)
+    @click.option("--hot-share", type=float, default=1.0, show_default=True,
+                  help="Share of requests for SKU 0; the rest spread over the other SKUs.")
+    @click.option("--retry-rate", type=float, default=0.0, show_default=True,
+                  help="Share of requests re-sent with the buyer's previous request key.")
+    @click.option("--claim", type=float, default=0.0, show_default=True,
+                  help="Share of holds claimed (sold) right after they are granted.")
+    @click.option("--release", type=float, default=0.0, show_default=True,
+                  help="Share of holds released right after they are granted.")
+    @click.option("--expire", type=float, default=0.0, show_default=True,
+                  help="Share of holds given a short TTL and left to expire.")
+    @click.option("--expire-ttl", type=float, default=1.0, show_default=True,
+                  help="TTL in seconds of the holds left to expire.")
+    @click.option("--strategy", type=click.Choice(["row", "pool", "all"]), default="all",
+                  show_default=True)
+    @click.option("--pool-cap", type=int, default=1_000, show_default=True)
+    @click.option("--takes", type=int, default=None,
+                  help="Long run: this many single-unit holds on one pool bucket; reports the "
+                       "p99 of the first and the last --window holds.")
+    @click.option("--window", type=int, default=10_000, show_default=True)
+    @click.option("--durable/--no-durable", default=True, show_default=True,
+                  help="synchronous_commit on (durable commits) or off.")
+    @click.option("--seed", type=int, default=1, show_default=True)
+    @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+                  help="Write every figure to this JSON file.")
+    @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+                  help="Write a PNG of latency over time and its distribution.")
+    @click.option("--quiet", is_flag=True, help="No progress bar.")
+    @click.option("--database-url", envvar="PGRESERVE_BENCH_DATABASE_URL", default=None,
+                  help="Run against this PostgreSQL instead of a fresh embedded server.")
+    def flash_sale(units: int, buyers: int, requests_: int | None, quantity: int, skus: int,
+                   hot_share: float, retry_rate: float, claim: float, release: float,
+                   expire: float, expire_ttl: float, strategy: str, pool_cap: int,
+                   takes: int | None, window: int, durable: bool, seed: int,
+                   json_path: str | None, plot_path: str | None, quiet: bool,
+                   database_url: str | None) -> None:
+        """Many buyers, few units: reservations/s, rejections/s, latency and the invariants."""
+        strategies = ("row", "pool") if strategy == "all" else (strategy,)
+        common: dict[str, Any] = dict(
+            buyers=buyers, claim=claim, release=release, expire=expire, expire_ttl_s=expire_ttl,
+            pool_cap=pool_cap, durable=durable, seed=seed, window=window,
+            strategies=strategies)
+        try:
+            if takes is not None:
+                if strategy == "all":
+                    common["strategies"] = ("pool",)
+                scenario = Scenario.long_run(takes, **common)
+            else:
+                scenario = Scenario(
+                    units=units, requests=requests_ if requests_ is not None else 3 * units * skus,
+                    quantity=quantity, skus=skus, hot_share=hot_share, retry_rate=retry_rate,
+                    **common)
+        except InvalidRequest as exc:
+            raise click.BadParameter(exc.message) from None
+        out = Console()
+        err = Console(stderr=True)
+        with _database(database_url, durable) as (dsn, where):
+            migrations.migrate(dsn)
+            err.print(f"[dim]{where}; {scenario.buyers} buyers, {scenario.requests:,} requests "
+                      f"per strategy, synchronous_commit={'on' if durable else 'off'}[/]")
+            runs = _run(dsn, scenario, quiet, err, before_check)
+        report.render(out, scenario, runs)
+        doc = report.document(scenario, runs, {"database": where})
+        if json_path:
+            report.write_json(json_path, doc)
+            err.print(f"wrote {json_path}")
+        if plot_path:
+            report.write_plot(plot_path, runs)
+            err.print(f"wrote {plot_path}")
+        if not all(run.invariants_ok for run in runs):
+            err.print("[bold red]invariants failed[/]")
+            raise SystemExit(1)
+
+    return flash_sale
+
+
+def _run(dsn: str, scenario: Scenario, quiet: bool, err: Console,
+         before_check: BeforeCheck | None) -> list[RunResult]:
+    if quiet:
+        return asyncio.run(run_scenario(dsn, scenario, before_check=before_check))
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=False) as bar:
+        tasks = {s: bar.add_task(f"{s:>4}", total=scenario.requests)
+                 for s in scenario.strategies}
+        return asyncio.run(run_scenario(
+            dsn, scenario, progress=lambda s, n: bar.advance(tasks[s], n),
+            before_check=before_check))
+
+
+bench.add_command(make_flash_sale())

@@ -1,0 +1,138 @@
+"""Show what a run measured: a table per strategy, the JSON document, the PNG plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .results import HELD, REJECTED, RunResult, ratios
+from .scenario import Scenario
+
+
+def document(scenario: Scenario, runs: list[RunResult],
+             extra_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every figure of the run, as written by --json."""
+    return {
+        "runs": [run.to_dict() for run in runs],
+        "ratios": ratios(runs),
+        "config": {**scenario.to_dict(), **(extra_config or {})},
+    }
+
+
+def write_json(path: str | Path, doc: dict[str, Any]) -> None:
+    Path(path).write_text(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:,.{digits}f}"
+
+
+def render(console: Console, scenario: Scenario, runs: list[RunResult]) -> None:
+    """The result table of each strategy, then the ratios."""
+    for run in runs:
+        table = Table(title=f"flash sale, strategy {run.strategy}", show_header=True,
+                      title_justify="left")
+        table.add_column("figure")
+        table.add_column("value", justify="right")
+        table.add_column("how it is counted")
+        lat = run.latency_ms()
+        climb = run.take_windows()
+        db = run.db_view()
+        table.add_row("requests", f"{run.requests:,}", "reserve calls sent, retries included")
+        table.add_row("holds granted", f"{run.held:,}",
+                      f"{run.granted_units:,} units; {run.claimed:,} claimed, "
+                      f"{run.released:,} released")
+        table.add_row("rejected (sold out)", f"{run.rejected:,}", "")
+        table.add_row("retries (replayed)", f"{run.retries:,}",
+                      "same request key answered from the ledger")
+        table.add_row("errors", f"{run.errors:,}",
+                      ", ".join(f"{k} {v}" for k, v in run.error_kinds.items()) or "")
+        table.add_row("reservations/s", _num(run.reservations_per_s),
+                      f"{run.held:,} holds in {_num(run.sellout_s, 3)} s (until the last hold)")
+        table.add_row("rejections/s", _num(run.rejections_per_s),
+                      f"{run.rejections_after_sellout:,} rejections in "
+                      f"{_num(run.rejection_window_s, 3)} s after the last hold")
+        for key in ("p50", "p90", "p99", "p999", "max"):
+            label = "p99.9" if key == "p999" else key
+            table.add_row(f"latency {label}", f"{lat[key]:.2f} ms",
+                          "all reserve calls (HDR histogram)" if key == "p50" else "")
+        if climb["window"]:
+            table.add_row("take p99 first/last", f"{_num(climb['first_p99_ms'], 2)} / "
+                          f"{_num(climb['last_p99_ms'], 2)} ms",
+                          f"windows of {climb['window']:,} holds; ratio "
+                          f"{_num(climb['ratio'], 2)}")
+        table.add_row("pool dead tuples", f"{db.get('pool_dead_tuples_before', 'n/a')} -> "
+                      f"{db.get('pool_dead_tuples_after', 'n/a')}",
+                      "stock_unit_p* before -> after; peak "
+                      f"{db.get('pool_dead_tuples_peak', 'n/a')}, "
+                      f"{db.get('pool_rows_deleted', 'n/a')} rows deleted, "
+                      f"{db.get('pool_vacuums', 'n/a')} vacuums")
+        table.add_row("deadlocks / commits / rollbacks",
+                      f"{db.get('deadlocks', 'n/a')} / {db.get('xact_commit', 'n/a')} / "
+                      f"{db.get('xact_rollback', 'n/a')}",
+                      f"pg_stat_database delta; client retried {db.get('client_deadlocks_retried', 0)}"
+                      " deadlocks")
+        book = run.ledger
+        if book is not None:
+            table.add_row("sold + held + available", f"{run.claimed_units:,} + {book.held:,} + "
+                          f"{book.free + book.pool:,}",
+                          f"= {run.claimed_units + book.held + book.free + book.pool:,}; "
+                          f"seeded {scenario.seeded_units:,}")
+        table.add_row("oversold", f"{run.oversold:,}", "units granted beyond stock; must be 0")
+        failed = [name for name, ok in run.invariants().items() if not ok]
+        table.add_row("invariants", "[green]ok[/]" if run.invariants_ok else "[red]FAILED[/]",
+                      ", ".join(failed) if failed else "conservation, no oversell, "
+                      "holds match, service checks")
+        console.print(table)
+        for violation in run.violations[:10]:
+            console.print(f"  [red]violation[/] {violation}")
+    figures = ratios(runs)
+    if figures:
+        console.print("[bold]ratios[/]")
+        for name, value in figures.items():
+            console.print(f"  {name}: {_num(value, 2)}")
+
+
+def write_plot(path: str | Path, runs: list[RunResult]) -> None:
+    """PNG: latency over time (left) and the latency distribution (right), per strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (over_time, dist) = plt.subplots(1, 2, figsize=(13, 5))
+    for run in runs:
+        for outcome, marker in ((HELD, "."), (REJECTED, "x")):
+            points = [s for s in run.samples if s.outcome == outcome]
+            if points:
+                over_time.scatter([s.start for s in points], [s.latency_ms for s in points],
+                                  s=2, marker=marker, alpha=0.4,
+                                  label=f"{run.strategy} {outcome}")
+        hist = run.histogram()
+        if hist.get_total_count():
+            xs, ys = [], []
+            for item in hist.get_percentile_iterator(5):
+                p = min(item.percentile_level_iterated_to, 99.9999)
+                xs.append(1.0 / (1.0 - p / 100.0))
+                ys.append(item.value_iterated_to / 1000.0)
+            dist.plot(xs, ys, label=run.strategy)
+    over_time.set_xlabel("time since start (s)")
+    over_time.set_ylabel("reserve latency (ms)")
+    over_time.set_yscale("log")
+    over_time.set_title("latency over time")
+    over_time.legend(markerscale=5, fontsize=8)
+    dist.set_xscale("log")
+    dist.set_yscale("log")
+    ticks = [2, 10, 100, 1000, 10000]
+    dist.set_xticks(ticks, ["50%", "90%", "99%", "99.9%", "99.99%"])
+    dist.set_xlabel("percentile")
+    dist.set_ylabel("latency (ms)")
+    dist.set_title("latency distribution (HDR)")
+    dist.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

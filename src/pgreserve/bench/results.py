@@ -1,0 +1,286 @@
+"""What one strategy's run measured, and the figures derived from it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from hdrh.histogram import HdrHistogram
+
+from .scenario import Scenario
+
+HELD, REJECTED, REPLAYED, ERROR = "held", "rejected", "replayed", "error"
+# Latencies are recorded in microseconds, from 1 us to 10 minutes, 3 significant digits.
+_LOWEST_US, _HIGHEST_US, _DIGITS = 1, 600_000_000, 3
+PERCENTILES = {"p50": 50.0, "p90": 90.0, "p99": 99.0, "p999": 99.9}
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One reserve call: when it started and ended (seconds since the run began) and its outcome."""
+
+    seq: int
+    start: float
+    end: float
+    outcome: str
+    units: int
+
+    @property
+    def latency_ms(self) -> float:
+        return (self.end - self.start) * 1000.0
+
+
+@dataclass(frozen=True)
+class DbSnapshot:
+    """The database's own counters at one moment."""
+
+    pool_dead_tuples: int
+    pool_live_tuples: int
+    pool_deleted: int
+    pool_vacuums: int
+    deadlocks: int
+    xact_commit: int
+    xact_rollback: int
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """The tenant's books after the run, read from the database."""
+
+    on_hand: int
+    free: int
+    pool: int
+    held: int
+    restored: int
+    reservations: int
+    shortfall: int
+
+
+@dataclass
+class RunResult:
+    """Everything one strategy's run recorded; figures are derived on demand."""
+
+    strategy: str
+    scenario: Scenario
+    samples: list[Sample]
+    elapsed_s: float
+    claimed: int = 0
+    claimed_units: int = 0
+    released: int = 0
+    followup_errors: int = 0
+    error_kinds: Counter[str] = field(default_factory=Counter)
+    ledger: Ledger | None = None
+    violations: list[str] = field(default_factory=list)
+    db_before: DbSnapshot | None = None
+    db_after: DbSnapshot | None = None
+    client_stats: dict[str, int] = field(default_factory=dict)
+    peak_pool_dead_tuples: int | None = None
+
+    # -- counts ----------------------------------------------------------------
+
+    def count(self, outcome: str) -> int:
+        return sum(1 for s in self.samples if s.outcome == outcome)
+
+    @property
+    def requests(self) -> int:
+        return len(self.samples)
+
+    @property
+    def held(self) -> int:
+        return self.count(HELD)
+
+    @property
+    def rejected(self) -> int:
+        return self.count(REJECTED)
+
+    @property
+    def retries(self) -> int:
+        return self.count(REPLAYED)
+
+    @property
+    def errors(self) -> int:
+        return self.count(ERROR) + self.followup_errors
+
+    @property
+    def granted_units(self) -> int:
+        return sum(s.units for s in self.samples if s.outcome == HELD)
+
+    # -- throughput --------------------------------------------------------------
+
+    @property
+    def sellout_s(self) -> float | None:
+        """When the last hold completed: the end of the selling window."""
+        ends = [s.end for s in self.samples if s.outcome == HELD]
+        return max(ends) if ends else None
+
+    @property
+    def end_s(self) -> float:
+        return max((s.end for s in self.samples), default=0.0)
+
+    @property
+    def reservations_per_s(self) -> float | None:
+        """Holds granted / time from the start until the last hold."""
+        sellout = self.sellout_s
+        return self.held / sellout if sellout else None
+
+    @property
+    def rejections_after_sellout(self) -> int:
+        sellout = self.sellout_s or 0.0
+        return sum(1 for s in self.samples if s.outcome == REJECTED and s.end > sellout)
+
+    @property
+    def rejection_window_s(self) -> float:
+        return self.end_s - (self.sellout_s or 0.0)
+
+    @property
+    def rejections_per_s(self) -> float | None:
+        """Rejections completed after the last hold / the time from the last hold to the end."""
+        window = self.rejection_window_s
+        count = self.rejections_after_sellout
+        return count / window if count and window > 0 else None
+
+    # -- latency ---------------------------------------------------------------
+
+    def histogram(self, outcomes: tuple[str, ...] = (HELD, REJECTED, REPLAYED)) -> HdrHistogram:
+        hist = HdrHistogram(_LOWEST_US, _HIGHEST_US, _DIGITS)
+        for s in self.samples:
+            if s.outcome in outcomes:
+                hist.record_value(_us(s))
+        return hist
+
+    def latency_ms(self, outcomes: tuple[str, ...] = (HELD, REJECTED, REPLAYED)) -> dict[str, float]:
+        hist = self.histogram(outcomes)
+        if hist.get_total_count() == 0:
+            return {**{k: 0.0 for k in PERCENTILES}, "max": 0.0}
+        doc = {k: hist.get_value_at_percentile(p) / 1000.0 for k, p in PERCENTILES.items()}
+        doc["max"] = hist.get_max_value() / 1000.0
+        return doc
+
+    def take_windows(self) -> dict[str, Any]:
+        """p99 latency of the first and the last `window` holds, in the order they started."""
+        holds = sorted((s for s in self.samples if s.outcome == HELD), key=lambda s: s.start)
+        size = min(self.scenario.window, len(holds) // 2)
+        if size == 0:
+            return {"window": 0, "first_p99_ms": None, "last_p99_ms": None, "ratio": None}
+        first, last = _p99_ms(holds[:size]), _p99_ms(holds[-size:])
+        return {"window": size, "takes": len(holds), "first_p99_ms": first,
+                "last_p99_ms": last, "ratio": last / first if first else None}
+
+    # -- invariants --------------------------------------------------------------
+
+    @property
+    def oversold(self) -> int:
+        """Units granted beyond what was ever there to sell (seeded plus units given back)."""
+        restored = self.ledger.restored if self.ledger else 0
+        return max(0, self.granted_units - restored - self.scenario.seeded_units)
+
+    def invariants(self) -> dict[str, bool]:
+        """Each accounting rule the run must keep."""
+        book = self.ledger
+        seeded = self.scenario.seeded_units
+        if book is None:
+            return {"checked": False}
+        available = book.free + book.pool
+        return {
+            # units sold + held + available = units seeded
+            "conservation": self.claimed_units + book.held + available == seeded,
+            "on_hand": book.on_hand == seeded - self.claimed_units,
+            "no_oversell": self.oversold == 0,
+            # every hold the buyers were told about exists, and no other
+            "holds_match": book.reservations == self.held,
+            "no_shortfall": book.shortfall == 0,
+            "service_invariants": not self.violations,
+        }
+
+    @property
+    def invariants_ok(self) -> bool:
+        return all(self.invariants().values())
+
+    # -- the database's view ---------------------------------------------------
+
+    def db_view(self) -> dict[str, Any]:
+        doc: dict[str, Any] = dict(self.client_stats)
+        before, after = self.db_before, self.db_after
+        if before is not None:
+            doc["pool_dead_tuples_before"] = before.pool_dead_tuples
+        if after is not None:
+            doc["pool_dead_tuples_after"] = after.pool_dead_tuples
+            doc["pool_live_tuples_after"] = after.pool_live_tuples
+        if before is not None and after is not None:
+            doc["deadlocks"] = after.deadlocks - before.deadlocks
+            doc["xact_commit"] = after.xact_commit - before.xact_commit
+            doc["xact_rollback"] = after.xact_rollback - before.xact_rollback
+            doc["pool_rows_deleted"] = after.pool_deleted - before.pool_deleted
+            doc["pool_vacuums"] = after.pool_vacuums - before.pool_vacuums
+        if self.peak_pool_dead_tuples is not None:
+            doc["pool_dead_tuples_peak"] = self.peak_pool_dead_tuples
+        return doc
+
+    def to_dict(self) -> dict[str, Any]:
+        book = self.ledger
+        return {
+            "strategy": self.strategy,
+            "requests": self.requests,
+            "held": self.held,
+            "rejected": self.rejected,
+            "errors": self.errors,
+            "retries": self.retries,
+            "granted_units": self.granted_units,
+            "claimed": self.claimed,
+            "released": self.released,
+            "reservations_per_s": self.reservations_per_s,
+            "rejections_per_s": self.rejections_per_s,
+            "throughput": {
+                "holds": self.held,
+                "hold_window_s": self.sellout_s,
+                "rejections_after_sellout": self.rejections_after_sellout,
+                "rejection_window_s": self.rejection_window_s,
+                "elapsed_s": self.elapsed_s,
+            },
+            "oversold": self.oversold,
+            "invariants_ok": self.invariants_ok,
+            "invariants": self.invariants(),
+            "violations": list(self.violations),
+            "books": None if book is None else {
+                "seeded": self.scenario.seeded_units, "sold": self.claimed_units,
+                "held": book.held, "available": book.free + book.pool, "pool": book.pool,
+                "on_hand": book.on_hand, "restored": book.restored,
+            },
+            "latency_ms": self.latency_ms(),
+            "latency_ms_by_outcome": {
+                HELD: self.latency_ms((HELD,)), REJECTED: self.latency_ms((REJECTED,)),
+            },
+            "take_latency_climb": self.take_windows(),
+            "error_kinds": dict(self.error_kinds),
+            "db": self.db_view(),
+        }
+
+
+def ratios(runs: list[RunResult]) -> dict[str, float | None]:
+    """pool/row reservations per second, and each strategy's rejections/s over reservations/s."""
+    by = {r.strategy: r for r in runs}
+    out: dict[str, float | None] = {}
+    row, pool = by.get("row"), by.get("pool")
+    if row and pool:
+        out["pool_over_row_reservations_per_s"] = _div(pool.reservations_per_s,
+                                                        row.reservations_per_s)
+    for run in runs:
+        out[f"{run.strategy}_rejections_over_reservations_per_s"] = _div(
+            run.rejections_per_s, run.reservations_per_s)
+    return out
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _us(sample: Sample) -> int:
+    return max(_LOWEST_US, min(_HIGHEST_US, int((sample.end - sample.start) * 1_000_000)))
+
+
+def _p99_ms(samples: list[Sample]) -> float:
+    hist = HdrHistogram(_LOWEST_US, _HIGHEST_US, _DIGITS)
+    for s in samples:
+        hist.record_value(_us(s))
+    return float(hist.get_value_at_percentile(99.0)) / 1000.0

@@ -1,0 +1,275 @@
+"""Drive the buyers: seed a fresh tenant, run the plan through the library API, check the books.
+
+The runner takes a DSN and a Scenario and returns RunResults; it prints nothing.
+Tests pass `before_check` to change the database between the run and the checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from ..core.service import ReservationService
+from ..db.database import Database
+from ..errors import PgReserveError
+from .results import ERROR, HELD, REJECTED, REPLAYED, DbSnapshot, Ledger, RunResult, Sample
+from .scenario import PlannedRequest, Scenario, plan
+
+BUYERS_APP = "pgreserve:bench-buyer"
+ADMIN_APP = "pgreserve:bench-admin"
+SWEEP_EVERY_S = 0.25
+
+
+@dataclass(frozen=True)
+class CheckContext:
+    """What a before_check hook gets: where the run's data is."""
+
+    dsn: str
+    tenant_id: int
+    strategy: str
+
+
+Progress = Callable[[str, int], None]
+BeforeCheck = Callable[[CheckContext], Awaitable[None]]
+
+
+def with_commit_mode(dsn: str, durable: bool) -> str:
+    """The DSN with synchronous_commit set for every session it opens."""
+    params = conninfo_to_dict(dsn)
+    options = str(params.get("options") or "")
+    mode = "on" if durable else "off"
+    params["options"] = f"{options} -c synchronous_commit={mode}".strip()
+    return make_conninfo(**{k: v for k, v in params.items() if v is not None})
+
+
+async def run_scenario(dsn: str, scenario: Scenario, *, progress: Progress | None = None,
+                       before_check: BeforeCheck | None = None) -> list[RunResult]:
+    """Run each of the scenario's strategies in turn on the same server."""
+    results = []
+    for strategy in scenario.strategies:
+        results.append(await run_strategy(dsn, scenario, strategy, progress=progress,
+                                          before_check=before_check))
+    return results
+
+
+async def run_strategy(dsn: str, scenario: Scenario, strategy: str, *,
+                       progress: Progress | None = None,
+                       before_check: BeforeCheck | None = None) -> RunResult:
+    """One strategy: a fresh tenant and buckets, the buyers, a final sweep, then the checks."""
+    dsn = with_commit_mode(dsn, scenario.durable)
+    requests = plan(scenario)
+    async with Database(dsn, min_size=1, max_size=1, application_name=ADMIN_APP) as admin:
+        service = ReservationService(admin)
+        tenant = await service.create_tenant(f"bench-{strategy}-{uuid.uuid4().hex[:12]}")
+        for index in range(scenario.skus):
+            await service.set_stock(tenant.id, scenario.sku(index), scenario.location,
+                                    scenario.units, strategy=strategy,
+                                    pool_cap=scenario.pool_cap if strategy == "pool" else None)
+        await admin.fetch("SELECT pg_stat_force_next_flush()")
+        await asyncio.sleep(0.05)
+        before = await _snapshot(dsn)
+
+        buyers_db = Database(dsn, min_size=scenario.buyers, max_size=scenario.buyers,
+                             application_name=BUYERS_APP)
+        await buyers_db.open()
+        stop_watch = asyncio.Event()
+        watch = asyncio.create_task(_watch_dead_tuples(dsn, stop_watch))
+        try:
+            result = await _drive(ReservationService(buyers_db), service, tenant.id,
+                                  scenario, strategy, requests, progress)
+        finally:
+            await buyers_db.close()
+            stop_watch.set()
+            peak = await watch
+        result.peak_pool_dead_tuples = peak
+        result.client_stats = {f"client_{k}": v for k, v in asdict(buyers_db.stats).items()}
+        await _settle_expiries(service, scenario, result)
+        await _wait_backends_gone(dsn)
+        result.db_before, result.db_after = before, await _settled_snapshot(dsn)
+
+        if before_check is not None:
+            await before_check(CheckContext(dsn, tenant.id, strategy))
+        result.ledger = await _ledger(admin, tenant.id)
+        result.violations = [f"{v.sku}@{v.location} {v.rule}: {v.detail}"
+                             for v in await service.invariant_violations(tenant.id)]
+    return result
+
+
+async def _drive(buyer: ReservationService, admin: ReservationService, tenant: int,
+                 scenario: Scenario, strategy: str, requests: list[PlannedRequest],
+                 progress: Progress | None) -> RunResult:
+    samples: list[Sample] = []
+    result = RunResult(strategy, scenario, samples, 0.0)
+    queue = iter(requests)
+    hold_ttl = timedelta(seconds=scenario.hold_ttl_s)
+    expire_ttl = timedelta(seconds=scenario.expire_ttl_s)
+    start = asyncio.Event()
+    done = asyncio.Event()
+    t0 = 0.0
+
+    async def one_buyer(number: int) -> None:
+        previous: tuple[str, list[tuple[str, str, int]], timedelta] | None = None
+        await start.wait()
+        for req in queue:  # one shared iterator: each request is taken by one buyer
+            if req.retry and previous is not None:
+                key, lines, ttl = previous
+            else:
+                key = f"r{req.seq}"
+                lines = [(scenario.sku(req.sku), scenario.location, req.quantity)]
+                ttl = expire_ttl if req.fate == "expire" else hold_ttl
+                previous = (key, lines, ttl)
+            began = time.perf_counter()
+            try:
+                out = await buyer.reserve(tenant, key, lines, ttl=ttl)
+            except (PgReserveError, psycopg.Error) as exc:
+                samples.append(Sample(req.seq, began - t0, time.perf_counter() - t0, ERROR, 0))
+                result.error_kinds[type(exc).__name__] += 1
+            else:
+                ended = time.perf_counter()
+                if out.replayed:
+                    outcome = REPLAYED
+                else:
+                    outcome = HELD if out.held else REJECTED
+                units = sum(q for _, _, q in lines) if outcome == HELD else 0
+                samples.append(Sample(req.seq, began - t0, ended - t0, outcome, units))
+                if outcome == HELD and out.reservation is not None:
+                    await _follow_up(buyer, tenant, out.reservation.id, req, units, result)
+            if progress is not None:
+                progress(strategy, 1)
+
+    async def sweeper() -> None:
+        while not done.is_set():
+            try:
+                await admin.expire_due()
+            except PgReserveError:
+                pass
+            try:
+                await asyncio.wait_for(done.wait(), SWEEP_EVERY_S)
+            except TimeoutError:
+                pass
+
+    tasks = [asyncio.create_task(one_buyer(i)) for i in range(scenario.buyers)]
+    sweep = asyncio.create_task(sweeper()) if scenario.expire > 0 else None
+    t0 = time.perf_counter()
+    start.set()
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        done.set()
+        if sweep is not None:
+            await sweep
+    result.elapsed_s = time.perf_counter() - t0
+    return result
+
+
+async def _follow_up(buyer: ReservationService, tenant: int, reservation_id: str,
+                     req: PlannedRequest, units: int, result: RunResult) -> None:
+    """What happens to a granted hold: payment succeeds (claim) or fails (release)."""
+    try:
+        if req.fate == "claim":
+            await buyer.claim(tenant, reservation_id)
+            result.claimed += 1
+            result.claimed_units += units
+        elif req.fate == "release":
+            await buyer.release(tenant, reservation_id)
+            result.released += 1
+    except (PgReserveError, psycopg.Error) as exc:
+        result.followup_errors += 1
+        result.error_kinds[f"{req.fate}:{type(exc).__name__}"] += 1
+
+
+async def _settle_expiries(service: ReservationService, scenario: Scenario,
+                           result: RunResult) -> None:
+    """Wait out the short TTLs and expire what is due, as the sweeper would."""
+    if scenario.expire <= 0:
+        return
+    await asyncio.sleep(scenario.expire_ttl_s + 0.1)
+    while await service.expire_due() > 0:
+        pass
+
+
+async def _wait_backends_gone(dsn: str, timeout_s: float = 10.0) -> None:
+    """Buyers' sessions flush their statistics when they exit: wait until they have."""
+    deadline = time.monotonic() + timeout_s
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            cur = await conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
+                " AND datname = current_database()", (BUYERS_APP,))
+            row = await cur.fetchone()
+            if row is None or row[0] == 0:
+                return
+            await asyncio.sleep(0.05)
+
+
+async def _settled_snapshot(dsn: str, timeout_s: float = 3.0) -> DbSnapshot:
+    """A snapshot once the counters stop moving (exiting sessions flush theirs late)."""
+    deadline = time.monotonic() + timeout_s
+    last = await _snapshot(dsn)
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.25)
+        now = await _snapshot(dsn)
+        # (xact_commit moves with these very snapshots, so it is not compared)
+        if (now.pool_deleted, now.pool_dead_tuples, now.xact_rollback) == (
+                last.pool_deleted, last.pool_dead_tuples, last.xact_rollback):
+            return now
+        last = now
+    return last
+
+
+async def _snapshot(dsn: str) -> DbSnapshot:
+    """Dead and live tuples of the pool partitions, and the database's transaction counters."""
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        cur = await conn.execute(
+            "SELECT coalesce(sum(n_dead_tup), 0), coalesce(sum(n_live_tup), 0),"
+            " coalesce(sum(n_tup_del), 0),"
+            " coalesce(sum(vacuum_count + autovacuum_count), 0)"
+            " FROM pg_stat_user_tables WHERE relname LIKE 'stock\\_unit\\_p%'")
+        dead, live, deleted, vacuums = (await cur.fetchone()) or (0, 0, 0, 0)
+        cur = await conn.execute(
+            "SELECT deadlocks, xact_commit, xact_rollback FROM pg_stat_database"
+            " WHERE datname = current_database()")
+        deadlocks, commits, rollbacks = (await cur.fetchone()) or (0, 0, 0)
+    return DbSnapshot(int(dead), int(live), int(deleted), int(vacuums), int(deadlocks),
+                      int(commits), int(rollbacks))
+
+
+async def _watch_dead_tuples(dsn: str, stop: asyncio.Event, every_s: float = 0.5) -> int:
+    """The most dead tuples the pool partitions showed while the buyers ran (sampled)."""
+    peak = 0
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        while not stop.is_set():
+            cur = await conn.execute(
+                "SELECT coalesce(sum(n_dead_tup), 0) FROM pg_stat_user_tables"
+                " WHERE relname LIKE 'stock\\_unit\\_p%'")
+            row = await cur.fetchone()
+            peak = max(peak, int(row[0]) if row else 0)
+            try:
+                await asyncio.wait_for(stop.wait(), every_s)
+            except TimeoutError:
+                pass
+    return peak
+
+
+async def _ledger(db: Database, tenant: int) -> Ledger:
+    rows = await db.fetch(
+        """SELECT
+             (SELECT coalesce(sum(on_hand), 0) FROM stock_bucket WHERE tenant_id = %(t)s),
+             (SELECT coalesce(sum(free), 0) FROM stock_bucket WHERE tenant_id = %(t)s),
+             (SELECT count(*) FROM stock_unit WHERE tenant_id = %(t)s),
+             (SELECT coalesce(sum(quantity), 0) FROM reservation_line
+               WHERE tenant_id = %(t)s AND held),
+             (SELECT coalesce(sum(quantity), 0) FROM stock_movement
+               WHERE tenant_id = %(t)s AND kind = 'restore'),
+             (SELECT count(*) FROM reservation WHERE tenant_id = %(t)s),
+             (SELECT coalesce(sum(shortfall), 0) FROM stock_bucket WHERE tenant_id = %(t)s)""",
+        {"t": tenant},
+    )
+    return Ledger(*(int(v) for v in rows[0]))

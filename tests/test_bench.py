@@ -1,0 +1,133 @@
+"""The flash-sale benchmark: its scenario checks, its JSON, its invariant checks and exit code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import psycopg
+import pytest
+from click.testing import CliRunner
+
+from pgreserve.bench import Scenario, plan, run_scenario
+from pgreserve.bench.cli import make_flash_sale
+from pgreserve.bench.runner import CheckContext
+from pgreserve.errors import InvalidRequest
+
+RUN_FIELDS = {"strategy", "requests", "held", "rejected", "errors", "retries",
+              "reservations_per_s", "rejections_per_s", "oversold", "invariants_ok",
+              "latency_ms", "db"}
+LATENCY_FIELDS = {"p50", "p90", "p99", "p999", "max"}
+DB_FIELDS = {"pool_dead_tuples_before", "pool_dead_tuples_after", "deadlocks", "xact_commit",
+             "xact_rollback"}
+SMALL = ["--units", "200", "--buyers", "16", "--requests", "600", "--quiet"]
+
+
+def invoke(dsn: str, tmp_path: Path, *args: str, hook=None) -> tuple[int, dict, str]:  # type: ignore[no-untyped-def]
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(make_flash_sale(before_check=hook),
+                                ["--database-url", dsn, "--json", str(out), *args])
+    doc = json.loads(out.read_text()) if out.exists() else {}
+    return result.exit_code, doc, result.output
+
+
+def test_scenario_rejects_nonsense() -> None:
+    """Shares outside [0, 1], fates adding up past 1 and unknown strategies are refused."""
+    for bad in ({"hot_share": 1.5}, {"retry_rate": 1.0}, {"claim": 0.6, "release": 0.6},
+                {"buyers": 0}, {"quantity": 0}, {"units": 5, "quantity": 6},
+                {"strategies": ("row", "row")}, {"strategies": ("disk",)},
+                {"expire_ttl_s": 0.5}):
+        with pytest.raises(InvalidRequest):
+            Scenario(**bad)  # type: ignore[arg-type]
+
+
+def test_plan_is_deterministic_and_follows_the_shares() -> None:
+    """The same seed gives the same plan; a hot share of 1 sends everything to SKU 0."""
+    scenario = Scenario(units=10, requests=500, skus=4, hot_share=0.5, retry_rate=0.2,
+                        claim=0.3, release=0.3, expire=0.2)
+    assert plan(scenario) == plan(scenario)
+    assert plan(scenario) != plan(scenario.with_(seed=2))
+    requests = plan(scenario)
+    assert {r.sku for r in requests} == {0, 1, 2, 3}
+    assert {r.fate for r in requests} == {"claim", "release", "expire", "keep"}
+    assert any(r.retry for r in requests) and not requests[0].retry
+    assert {r.sku for r in plan(scenario.with_(hot_share=1.0))} == {0}
+
+
+def test_flash_sale_both_strategies_sell_exactly_the_stock(dsn: str, tmp_path: Path) -> None:
+    """Demand 3x the stock: each strategy holds every unit, oversells none, and the JSON has every figure."""
+    code, doc, output = invoke(dsn, tmp_path, *SMALL, "--strategy", "all")
+    assert code == 0, output
+    assert [run["strategy"] for run in doc["runs"]] == ["row", "pool"]
+    for run in doc["runs"]:
+        assert RUN_FIELDS <= run.keys()
+        assert LATENCY_FIELDS <= run["latency_ms"].keys()
+        assert DB_FIELDS <= run["db"].keys()
+        assert run["requests"] == 600
+        assert run["held"] == 200
+        assert run["rejected"] == 400
+        assert run["errors"] == 0
+        assert run["oversold"] == 0
+        assert run["invariants_ok"] is True
+        assert all(run["invariants"].values())
+        assert run["reservations_per_s"] > 0 and run["rejections_per_s"] > 0
+        assert run["latency_ms"]["p50"] <= run["latency_ms"]["p99"] <= run["latency_ms"]["max"]
+    assert doc["runs"][0]["db"]["pool_dead_tuples_after"] >= 0
+    assert "pool_over_row_reservations_per_s" in doc["ratios"]
+    assert doc["config"]["units"] == 200 and doc["config"]["durable"] is True
+    assert "invariants" in output
+
+
+async def test_mixed_lifecycle_keeps_the_books(dsn: str) -> None:
+    """Retries, claims, releases and expiries over two SKUs: every invariant holds in both strategies."""
+    scenario = Scenario(units=60, requests=300, buyers=8, quantity=2, skus=2, hot_share=0.7,
+                        retry_rate=0.2, claim=0.3, release=0.3, expire=0.2,
+                        strategies=("row", "pool"), pool_cap=20)
+    runs = await run_scenario(dsn, scenario)
+    for run in runs:
+        assert run.invariants_ok, (run.strategy, run.invariants(), run.violations)
+        assert run.oversold == 0
+        assert run.errors == 0
+        assert run.retries > 0 and run.claimed > 0 and run.released > 0
+        assert run.requests == 300
+        assert run.ledger is not None and run.ledger.restored > 0
+        assert run.claimed_units + run.ledger.held + run.ledger.free + run.ledger.pool == 120
+
+
+def test_planted_drift_fails_the_run(dsn: str, tmp_path: Path) -> None:
+    """A unit conjured between the run and the check makes the command exit non-zero."""
+
+    async def plant(ctx: CheckContext) -> None:
+        """Put one unit back into free stock behind the service's back."""
+        async with await psycopg.AsyncConnection.connect(ctx.dsn, autocommit=True) as conn:
+            await conn.execute("UPDATE stock_bucket SET free = free + 1 WHERE tenant_id = %s",
+                               (ctx.tenant_id,))
+
+    code, doc, output = invoke(dsn, tmp_path, *SMALL, "--strategy", "pool", hook=plant)
+    assert code != 0
+    (run,) = doc["runs"]
+    assert run["invariants_ok"] is False
+    assert run["invariants"]["conservation"] is False
+    assert run["violations"]
+    assert "FAILED" in output
+
+
+def test_long_run_reports_first_and_last_windows(dsn: str, tmp_path: Path) -> None:
+    """--takes runs the pool alone and reports the p99 of the first and last windows of holds."""
+    code, doc, output = invoke(dsn, tmp_path, "--takes", "300", "--window", "100",
+                               "--buyers", "8", "--pool-cap", "50")
+    assert code == 0, output
+    (run,) = doc["runs"]
+    assert run["strategy"] == "pool" and run["held"] == 300
+    climb = run["take_latency_climb"]
+    assert climb["window"] == 100 and climb["takes"] == 300
+    assert climb["first_p99_ms"] > 0 and climb["last_p99_ms"] > 0
+
+
+def test_plot_is_a_png(dsn: str, tmp_path: Path) -> None:
+    """--plot writes a PNG; the progress bar path runs without error."""
+    png = tmp_path / "bench.png"
+    code, _, output = invoke(dsn, tmp_path, "--units", "50", "--buyers", "4", "--requests",
+                             "100", "--strategy", "row", "--plot", str(png))
+    assert code == 0, output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
