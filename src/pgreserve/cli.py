@@ -21,7 +21,7 @@ from .workers.base import run_forever
 from .workers.janitor import Janitor, JanitorConfig
 from .workers.sweeper import Sweeper
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 
 db_options = [
     click.option("--database-url", envvar="PGRESERVE_DATABASE_URL", default=None,
