@@ -14,13 +14,15 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Header, Query, Request
+from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.routing import Match
 
 from .. import errors
 from .. import validation as check
@@ -48,6 +50,8 @@ log = logging.getLogger(__name__)
 DEFAULT_BODY_LIMIT = 64 * 1024
 REPLAYED_HEADER = "Idempotent-Replayed"
 _CURSOR = re.compile(r"^(\d{1,19})-(\d{1,19})$")
+KEYED_REQUIRED = {("post", "/v1/reservations"),
+                  ("post", "/v1/stock/{location}/{sku}/adjustments")}
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -220,6 +224,7 @@ async def tenant_id(
 
 
 Tenant = Annotated[int, Depends(tenant_id)]
+PathName = Annotated[str, Path(min_length=1, max_length=200, pattern=r"^[^\x00]+$")]
 KeyHeader = Annotated[str | None, Header(
     alias="Idempotency-Key",
     description="Up to 200 characters. A repeat with the same key and body replays the "
@@ -289,10 +294,17 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
         if exc.status_code == 405:
+            # Starlette names only the first matching route's methods; name them all.
+            allowed: set[str] = set()
+            for route in app.routes:
+                if isinstance(route, APIRoute) and route.matches(request.scope)[0] != Match.NONE:
+                    allowed |= route.methods
             return problems.problem_response(problems.MethodNotAllowed("method not allowed"),
-                                             headers=dict(exc.headers or {}))
+                                             headers={"Allow": ", ".join(sorted(allowed))})
         if exc.status_code == 404:
             return problems.problem_response(problems.NotFound("no such endpoint"))
+        if exc.status_code == 400:  # FastAPI could not parse the body
+            return problems.problem_response(errors.InvalidRequest(str(exc.detail)))
         doc = {"type": "about:blank", "title": str(exc.detail), "status": exc.status_code,
                "detail": str(exc.detail), "code": "http_error"}
         return Response(problems.render(doc), status_code=exc.status_code,
@@ -308,7 +320,7 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     @app.put("/v1/stock/{location}/{sku}", response_model=StockOut, tags=["stock"],
              responses=problems.responses(*common, 413),
              summary="Set the on-hand count of a SKU at a location (creates it)")
-    async def put_stock(location: str, sku: str, body: StockSet, tenant: Tenant) -> Response:
+    async def put_stock(location: PathName, sku: PathName, body: StockSet, tenant: Tenant) -> Response:
         view = await service().set_stock(tenant, _name(sku, "sku"),
                                          _name(location, "location"), body.on_hand,
                                          strategy=body.strategy)
@@ -317,7 +329,7 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     @app.post("/v1/stock/{location}/{sku}/adjustments", response_model=StockOut, tags=["stock"],
               responses=problems.responses(400, 404, 409, 413, *common),
               summary="Receipt (delta > 0) or correction (delta < 0)")
-    async def adjust_stock(location: str, sku: str, body: StockAdjust, tenant: Tenant,
+    async def adjust_stock(location: PathName, sku: PathName, body: StockAdjust, tenant: Tenant,
                            idempotency_key: KeyHeader = None) -> Response:
         key = _key(idempotency_key, required=True)
         assert key is not None
@@ -329,7 +341,7 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
 
     @app.get("/v1/stock/{location}/{sku}", response_model=StockOut, tags=["stock"],
              responses=problems.responses(404, *common))
-    async def get_stock(location: str, sku: str, tenant: Tenant) -> Response:
+    async def get_stock(location: PathName, sku: PathName, tenant: Tenant) -> Response:
         view = await service().get_stock(tenant, _name(sku, "sku"), _name(location, "location"))
         return json_response(200, stock_doc(view))
 
@@ -413,15 +425,18 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
              responses=problems.responses(*common),
              summary="This tenant's events in commit order, after a cursor")
     async def events(tenant: Tenant,
-                     after: Annotated[str | None, Query(max_length=64)] = None,
+                     after: Annotated[str | None, Query(
+                         max_length=39, pattern=_CURSOR.pattern,
+                         description="next_cursor of the previous page")] = None,
                      limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> Response:
         position: tuple[int, int] | None = None
         if after:
             match = _CURSOR.match(after)
-            if not match or max(int(match[1]), int(match[2])) >= 2**63:
+            if not match:
                 raise errors.InvalidRequest("after must be a cursor returned by this endpoint",
                                             field="after")
-            position = (int(match[1]), int(match[2]))
+            # Positions beyond every bigint are past every event: clamp, answer empty.
+            position = (min(int(match[1]), 2**63 - 1), min(int(match[2]), 2**63 - 1))
         page = await service().events(tenant, position, limit)
         return json_response(200, {
             "events": [{"id": e.event_id, "type": e.type, "created_at": e.created_at.isoformat(),
@@ -466,6 +481,16 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         components.update(problem.pop("$defs", {}))
         components["Problem"] = problem
+        # Idempotency-Key is declared optional so that its absence reaches the
+        # handler (400 idempotency_key_missing, not a generic 422); document
+        # where it is required.
+        for path, ops in schema["paths"].items():
+            for method, op in ops.items():
+                for param in op.get("parameters", []):
+                    if param["name"] == "Idempotency-Key":
+                        param["schema"] = {"type": "string", "minLength": 1, "maxLength": 200,
+                                           "pattern": r"^\S(.*\S)?$"}
+                        param["required"] = (method, path) in KEYED_REQUIRED
         app.openapi_schema = schema
         return schema
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictStr
 
 from ..domain import MAX_LINES, MAX_NAME, MAX_QUANTITY, Reservation, StockView
 
@@ -24,9 +24,23 @@ def storable(value: str) -> str:
     return value
 
 
+def integer(value: Any) -> int:
+    """A JSON integer: 3 or 3.0 (JSON Schema calls both integers), never true, "3" or 3.5."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("must be an integer")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError("must be an integer")
+        return int(value)
+    return value
+
+
+def Int(low: int, high: int) -> Any:
+    """An integer in [low, high]; bool is an int in Python, the validator keeps it out."""
+    return Annotated[int, Field(ge=low, le=high), BeforeValidator(integer)]
 Name = Annotated[StrictStr, Field(min_length=1, max_length=MAX_NAME), AfterValidator(storable)]
 Reason = Annotated[StrictStr, Field(max_length=MAX_NAME), AfterValidator(storable)]
-TtlSeconds = Annotated[StrictInt, Field(ge=1, le=MAX_TTL_SECONDS)]
+TtlSeconds = Int(1, MAX_TTL_SECONDS)
 
 
 class Strict(BaseModel):
@@ -36,22 +50,24 @@ class Strict(BaseModel):
 # -- requests --------------------------------------------------------------------
 
 class StockSet(Strict):
-    on_hand: Annotated[StrictInt, Field(ge=0, le=MAX_COUNT)]
+    on_hand: Int(0, MAX_COUNT)
     strategy: Literal["row", "pool"] | None = None
 
 
 class StockAdjust(Strict):
-    delta: Annotated[StrictInt, Field(ge=-MAX_COUNT, le=MAX_COUNT)]
+    delta: Int(-MAX_COUNT, MAX_COUNT)
     reason: Reason = ""
 
 
 class LineIn(Strict):
     sku: Name
     location: Name
-    quantity: Annotated[StrictInt, Field(ge=1, le=MAX_QUANTITY)]
+    quantity: Int(1, MAX_QUANTITY)
 
 
 class ReserveIn(Strict):
+    """A cart: at most 100 lines, each naming a different (sku, location)."""
+
     lines: Annotated[list[LineIn], Field(min_length=1, max_length=MAX_LINES)]
     ttl_seconds: TtlSeconds = 900
 
