@@ -64,7 +64,7 @@ schema = schemathesis.openapi.from_dict(OPENAPI)
 
 
 @schema.parametrize()
-@settings(max_examples=25, deadline=None, derandomize=True,
+@settings(max_examples=15, deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
 def test_api_conforms_to_its_schema(case: schemathesis.Case,
                                     served: tuple[Any, dict[str, str]]) -> None:
