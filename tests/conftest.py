@@ -8,6 +8,7 @@ import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psycopg
 import pytest
@@ -16,6 +17,10 @@ import pytest_asyncio
 from pgreserve import Database, ReservationService, Tenant
 from pgreserve.db import migrate as migrations
 from pgreserve.db.embedded import EmbeddedServer
+
+if TYPE_CHECKING:
+    import httpx
+    from fastapi import FastAPI
 
 TEMPLATE = "pgreserve_template"
 _counter = itertools.count()
@@ -81,3 +86,45 @@ def table_counts(dsn: str) -> dict[str, int]:
     with psycopg.connect(dsn) as conn:
         return {t: conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0]  # type: ignore[index]
                 for t in tables}
+
+
+# -- the HTTP API ---------------------------------------------------------------
+
+class ApiTenant:
+    """A tenant with its API key and an authenticated client."""
+
+    def __init__(self, tenant: Tenant, key: str, client: "httpx.AsyncClient") -> None:
+        self.tenant = tenant
+        self.key = key
+        self.client = client
+
+
+@pytest_asyncio.fixture
+async def app(db: Database) -> "FastAPI":
+    from pgreserve.http import create_app
+
+    return create_app(database=db)
+
+
+@pytest_asyncio.fixture
+async def api(app: "FastAPI", service: ReservationService) -> AsyncIterator[ApiTenant]:
+    """An httpx client on the real app, authenticated as tenant 'acme'."""
+    import httpx
+
+    created, key = await service.create_tenant_with_key("acme")
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test",
+                                 headers={"Authorization": f"Bearer {key}"}) as client:
+        yield ApiTenant(created, key, client)
+
+
+@pytest_asyncio.fixture
+async def other(app: "FastAPI", service: ReservationService) -> AsyncIterator[ApiTenant]:
+    """A second tenant, 'globex', with its own client."""
+    import httpx
+
+    created, key = await service.create_tenant_with_key("globex")
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test",
+                                 headers={"Authorization": f"Bearer {key}"}) as client:
+        yield ApiTenant(created, key, client)

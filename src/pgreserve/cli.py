@@ -18,10 +18,11 @@ from .core.service import ReservationService
 from .db import migrate as migrations
 from .db.database import Database
 from .workers.base import run_forever
+from .workers.janitor import Janitor, JanitorConfig
 from .workers.replenisher import Replenisher
 from .workers.sweeper import Sweeper
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 
 db_options = [
     click.option("--database-url", envvar="PGRESERVE_DATABASE_URL", default=None,
@@ -33,6 +34,25 @@ db_options = [
 
 def with_db(f: Any) -> Any:
     for option in reversed(db_options):
+        f = option(f)
+    return f
+
+
+http_options = [
+    click.option("--host", envvar="PGRESERVE_HOST", default="127.0.0.1", show_default=True,
+                 help="Address the HTTP API listens on."),
+    click.option("--port", envvar="PGRESERVE_PORT", default=8000, show_default=True, type=int,
+                 help="Port of the HTTP API."),
+]
+
+retention_option = click.option(
+    "--key-retention-hours", envvar="PGRESERVE_KEY_RETENTION_HOURS", default=24.0,
+    show_default=True, type=click.FloatRange(min=1.0),
+    help="Keep Idempotency-Keys at least this long before the janitor forgets them.")
+
+
+def with_http(f: Any) -> Any:
+    for option in reversed(http_options):
         f = option(f)
     return f
 
@@ -85,16 +105,16 @@ def tenant() -> None:
 @with_db
 def tenant_create(name: str, as_json: bool, database_url: str | None,
                   data_dir: str | None) -> None:
-    """Create a tenant and print its id."""
+    """Create a tenant and print its API key (shown once; only its hash is stored)."""
 
     async def go(dsn: str) -> Any:
-        async with Database(dsn, max_size=1) as database:
-            return await ReservationService(database).create_tenant(name)
+        async with Database(dsn, min_size=1, max_size=1) as database:
+            return await ReservationService(database).create_tenant_with_key(name)
 
     with _dsn(database_url, data_dir) as dsn:
         migrations.migrate(dsn)
         try:
-            created = asyncio.run(go(dsn))
+            created, key = asyncio.run(go(dsn))
         except errors.PgReserveError as exc:
             raise click.ClickException(exc.message) from None
         except Exception as exc:
@@ -102,45 +122,136 @@ def tenant_create(name: str, as_json: bool, database_url: str | None,
                 raise click.ClickException(f"tenant {name!r} already exists") from None
             raise
     if as_json:
-        click.echo(json.dumps({"tenant": created.name, "tenant_id": created.id}))
+        click.echo(json.dumps({"tenant": created.name, "api_key": key}))
     else:
-        click.echo(f"tenant {created.name!r} created with id {created.id}")
+        click.echo(f"tenant {created.name!r} created (id {created.id})")
+        click.echo(f"API key (shown only now): {key}")
 
 
-@main.command()
+@tenant.command("key")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @with_db
-def worker(database_url: str | None, data_dir: str | None) -> None:
-    """Run the background workers (expiry sweeper, pool replenisher) until SIGTERM or Ctrl-C."""
+def tenant_key(name: str, as_json: bool, database_url: str | None, data_dir: str | None) -> None:
+    """Issue another API key for an existing tenant."""
+
+    async def go(dsn: str) -> str:
+        async with Database(dsn, min_size=1, max_size=1) as database:
+            svc = ReservationService(database)
+            found = await svc.tenant_by_name(name)
+            if found is None:
+                raise click.ClickException(f"no tenant named {name!r}")
+            return await svc.create_api_key(found.id)
+
     with _dsn(database_url, data_dir) as dsn:
         migrations.migrate(dsn)
-        asyncio.run(_run_workers(dsn, announce=None))
+        key = asyncio.run(go(dsn))
+    click.echo(json.dumps({"tenant": name, "api_key": key}) if as_json else key)
 
 
 @main.command()
 @with_db
-def up(database_url: str | None, data_dir: str | None) -> None:
-    """Start everything: the database (embedded unless a URL is given), migrated, and the workers."""
+@retention_option
+def worker(database_url: str | None, data_dir: str | None, key_retention_hours: float) -> None:
+    """Run the background workers (expiry sweeper, key janitor) until SIGTERM or Ctrl-C."""
+    with _dsn(database_url, data_dir) as dsn:
+        migrations.migrate(dsn)
+        asyncio.run(_run(dsn, http=None, workers=True, key_retention_hours=key_retention_hours))
+    console.print("pgreserve stopped cleanly")
+
+
+@main.command()
+@with_db
+@with_http
+@retention_option
+def up(database_url: str | None, data_dir: str | None, host: str, port: int,
+       key_retention_hours: float) -> None:
+    """Start everything: the database (embedded unless a URL is given), migrated, the HTTP API
+    and the workers, in one process."""
     with _dsn(database_url, data_dir) as dsn:
         applied = migrations.migrate(dsn)
         for m in applied:
             console.print(f"applied migration {m.version:04d}_{m.name}")
-        asyncio.run(_run_workers(dsn, announce=dsn))
+        asyncio.run(_run(dsn, http=(host, port), workers=True,
+                         key_retention_hours=key_retention_hours, announce=True))
+    console.print("pgreserve stopped cleanly")
 
 
-async def _run_workers(dsn: str, announce: str | None) -> None:
+@main.command()
+@with_db
+@with_http
+@click.option("--workers", "processes", default=1, show_default=True,
+              type=click.IntRange(1, 64), help="HTTP server processes.")
+def serve(database_url: str | None, data_dir: str | None, host: str, port: int,
+          processes: int) -> None:
+    """Run the HTTP API only (run `pgreserve worker` beside it)."""
+    with _dsn(database_url, data_dir) as dsn:
+        migrations.migrate(dsn)
+        if processes == 1:
+            asyncio.run(_run(dsn, http=(host, port), workers=False, announce=True))
+        else:
+            import os
+
+            import uvicorn
+
+            os.environ["PGRESERVE_DATABASE_URL"] = dsn
+            console.print(f"pgreserve API on http://{host}:{port} ({processes} processes)")
+            uvicorn.run("pgreserve.http.app:app_from_env", factory=True, host=host, port=port,
+                        workers=processes, log_level="warning")
+    console.print("pgreserve stopped cleanly")
+
+
+async def _run(dsn: str, *, http: tuple[str, int] | None, workers: bool,
+               key_retention_hours: float = 24.0, announce: bool = False) -> None:
+    """Run the API and/or the workers in this event loop until SIGINT or SIGTERM."""
+    from datetime import timedelta
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with Database(dsn, max_size=1, application_name="pgreserve:sweeper") as sweep_db, \
-            Database(dsn, max_size=1, application_name="pgreserve:replenisher") as refill_db:
-        sweeper = Sweeper(ReservationService(sweep_db))
-        replenisher = Replenisher(ReservationService(refill_db))
-        if announce:
-            console.print(f"[bold green]pgreserve is up[/] database: {announce}")
-            console.print("workers: expiry sweeper, pool replenisher. Press Ctrl-C to stop.")
-        await asyncio.gather(run_forever(sweeper, stop), run_forever(replenisher, stop))
-    console.print("pgreserve stopped cleanly")
+    tasks: list[asyncio.Task[None]] = []
+    server = None
+    async with Database(dsn, max_size=3, application_name="pgreserve:workers") as database:
+        service = ReservationService(database)
+        if workers:
+            keep = timedelta(hours=key_retention_hours)
+            for w in (Sweeper(service), Replenisher(service),
+                      Janitor(service, JanitorConfig(keep=keep))):
+                tasks.append(asyncio.create_task(run_forever(w, stop)))
+        if http is not None:
+            from .http.server import ApiServer
+
+            server = ApiServer(dsn, *http)
+            tasks.append(asyncio.create_task(server.serve()))
+            await server.wait_started(stop)
+            if announce and server.started:
+                url = f"http://{http[0]}:{http[1]}"
+                console.print(f"[bold green]pgreserve is up[/] API: {url}  (docs: {url}/docs)")
+                console.print(f"database: {dsn}")
+                console.print("create a tenant and its API key with:  pgreserve tenant create "
+                              "NAME  (with the same --data-dir / --database-url)")
+                console.print("Press Ctrl-C to stop.")
+        elif announce:
+            console.print("workers: expiry sweeper, pool replenisher, key janitor. Press Ctrl-C to stop.")
+        stop_task = asyncio.create_task(stop.wait())
+        await asyncio.wait([stop_task, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        stop.set()
+        if server is not None:
+            server.should_exit = True
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        stop_task.cancel()
+    failed = [r for r in results if isinstance(r, BaseException)]
+    if server is not None and not server.started:
+        raise click.ClickException(f"the HTTP server could not start on {http[0]}:{http[1]}"
+                                   if http else "the HTTP server could not start")
+    if failed:
+        raise failed[0]
+
+
+from .bench.cli import bench  # noqa: E402  (the bench group imports the core, not the CLI)
+
+main.add_command(bench)
 
 
 def _dsn(database_url: str | None, data_dir: str | None) -> Any:
@@ -148,10 +259,6 @@ def _dsn(database_url: str | None, data_dir: str | None) -> Any:
 
 
 database_url_ctx = database_url
-
-from .bench.cli import bench  # noqa: E402
-
-main.add_command(bench)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -122,6 +122,23 @@ class StockView:
 
 
 @dataclass(frozen=True)
+class Event:
+    """One outbox event; (xid, event_id) is its position in commit order."""
+
+    xid: int
+    event_id: int
+    type: str
+    payload: dict[str, Any]
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class EventPage:
+    events: tuple[Event, ...]
+    cursor: tuple[int, int]  # resume after this position
+
+
+@dataclass(frozen=True)
 class Tenant:
     id: int
     name: str

@@ -19,6 +19,8 @@ from .. import validation as check
 from ..db.database import Database
 from ..domain import (
     DEFAULT_TTL,
+    Event,
+    EventPage,
     Line,
     Reservation,
     ReserveOutcome,
@@ -27,7 +29,8 @@ from ..domain import (
     Tenant,
     Violation,
 )
-from ..errors import ReservationNotFound, UnknownStock
+from ..errors import InvalidRequest, ReservationNotFound, UnknownStock
+from .. import apikeys
 
 Clock = Callable[[], datetime | None]
 
@@ -67,6 +70,32 @@ class ReservationService:
             "INSERT INTO tenant (name) VALUES (%s) RETURNING tenant_id", (name,)
         )
         return Tenant(int(row), name)
+
+    async def create_tenant_with_key(self, name: str) -> tuple[Tenant, str]:
+        """Create a tenant and its first API key; return both (the key is shown only once)."""
+        name = check.name(name, "tenant name")
+        key = apikeys.new_key()
+        row = await self.db.call("SELECT tenant_create_v1(%s, %s)", (name, apikeys.hash_key(key)))
+        return Tenant(int(row), name), key
+
+    async def create_api_key(self, tenant: int) -> str:
+        """Issue another API key for an existing tenant."""
+        tenant = check.tenant_id(tenant)
+        await self._require_tenant(tenant)
+        key = apikeys.new_key()
+        await self.db.call("INSERT INTO api_key (tenant_id, key_hash) VALUES (%s, %s)",
+                           (tenant, apikeys.hash_key(key)))
+        return key
+
+    async def tenant_for_api_key(self, key: str) -> int | None:
+        """The tenant an unrevoked API key belongs to, or None."""
+        if not apikeys.plausible(key):
+            return None
+        rows = await self.db.fetch(
+            "SELECT tenant_id FROM api_key WHERE key_hash = %s AND revoked_at IS NULL",
+            (apikeys.hash_key(key),),
+        )
+        return int(rows[0][0]) if rows else None
 
     async def tenant_by_name(self, name: str) -> Tenant | None:
         rows = await self.db.fetch("SELECT tenant_id FROM tenant WHERE name = %s", (name,))
@@ -147,23 +176,50 @@ class ReservationService:
         )
         return ReserveOutcome.from_json(doc)
 
-    async def claim(self, tenant: int, reservation_id: str | uuid.UUID) -> Reservation:
+    async def claim(self, tenant: int, reservation_id: str | uuid.UUID, *,
+                    request_key: str | None = None) -> Reservation:
         """Payment succeeded: deduct the held units for good. Repeating it changes nothing."""
+        if request_key is not None:
+            return await self._keyed(tenant, request_key, "claim", reservation_id, None)
         return await self._transition("SELECT claim_v1(%s, %s, %s)", tenant, reservation_id)
 
-    async def release(self, tenant: int, reservation_id: str | uuid.UUID) -> Reservation:
+    async def release(self, tenant: int, reservation_id: str | uuid.UUID, *,
+                      request_key: str | None = None) -> Reservation:
         """Payment failed: give the units back, once. Repeating it changes nothing."""
+        if request_key is not None:
+            return await self._keyed(tenant, request_key, "release", reservation_id, None)
         return await self._transition("SELECT release_v1(%s, %s, %s)", tenant, reservation_id)
 
     async def extend(self, tenant: int, reservation_id: str | uuid.UUID,
-                     ttl: timedelta | float) -> Reservation:
-        """Give an active reservation a new time to live, counted from now."""
+                     ttl: timedelta | float, *, request_key: str | None = None) -> Reservation:
+        """Give an active reservation a new time to live, counted from now.
+
+        With a request key the first answer is stored and replayed for the same
+        key, so a retried extend does not push the expiry again.
+        """
+        if request_key is not None:
+            return await self._keyed(tenant, request_key, "extend", reservation_id, ttl)
         tenant = check.tenant_id(tenant)
         rid = _reservation_id(reservation_id)
         life = check.ttl(ttl)
         doc = await self.db.call("SELECT extend_v1(%s, %s, %s, %s)",
                                  (tenant, rid, life, self.clock()))
         return Reservation.from_json(doc)
+
+    async def _keyed(self, tenant: int, request_key: str, operation: str,
+                     reservation_id: str | uuid.UUID, ttl: timedelta | float | None) -> Reservation:
+        tenant = check.tenant_id(tenant)
+        key = check.request_key(request_key)
+        rid = _reservation_id(reservation_id)
+        life = check.ttl(ttl) if ttl is not None else None
+        params: dict[str, Any] = {"id": str(rid)}
+        if life is not None:
+            params["ttl_ms"] = int(life.total_seconds() * 1000)
+        doc = await self.db.call(
+            "SELECT transition_keyed_v1(%s, %s, %s, %s, %s, %s, %s)",
+            (tenant, key, operation, digest(operation, params), rid, life, self.clock()),
+        )
+        return Reservation.from_json(doc["reservation"], replayed=bool(doc.get("replayed")))
 
     async def get_reservation(self, tenant: int, reservation_id: str | uuid.UUID) -> Reservation:
         tenant = check.tenant_id(tenant)
@@ -195,6 +251,42 @@ class ReservationService:
         added = await self.db.call("SELECT pool_refill_v1(%s, %s, %s)",
                                    (tenant, bucket_id, self.clock()))
         return None if added is None else int(added)
+
+    async def purge_request_keys(self, keep: timedelta, batch: int = 1000) -> int:
+        """Forget request keys older than `keep` (at most `batch` per transaction)."""
+        if not isinstance(keep, timedelta) or keep < timedelta(0):
+            raise InvalidRequest("keep must be a non-negative duration", field="keep")
+        batch = check.integer(batch, "batch", 1, 100_000)
+        return int(await self.db.call("SELECT request_keys_purge_v1(%s, %s, %s)",
+                                      (keep, batch, self.clock())))
+
+    # -- events ----------------------------------------------------------------
+
+    async def events(self, tenant: int, after: tuple[int, int] | None = None,
+                     limit: int = 100) -> EventPage:
+        """This tenant's outbox events in commit order, after a (xid, event_id) cursor.
+
+        Only events of transactions older than the snapshot's xmin are returned:
+        every transaction below xmin has ended, so no event can later appear
+        before the cursor (see docs/api.md, "Events").
+        """
+        tenant = check.tenant_id(tenant)
+        limit = check.integer(limit, "limit", 1, 1000)
+        xid, event_id = after if after is not None else (0, 0)
+        check.integer(xid, "cursor", 0, 2**63 - 1)
+        check.integer(event_id, "cursor", 0, 2**63 - 1)
+        rows = await self.db.fetch(
+            "SELECT xid::text::bigint, event_id, type, payload, created_at FROM outbox_event"
+            " WHERE tenant_id = %s AND (xid, event_id) > (%s::text::xid8, %s)"
+            "   AND xid < pg_snapshot_xmin(pg_current_snapshot())"
+            " ORDER BY xid, event_id LIMIT %s",
+            (tenant, str(xid), event_id, limit),
+        )
+        if not rows:
+            await self._require_tenant(tenant)
+        events = tuple(Event(int(r[0]), int(r[1]), str(r[2]), r[3], r[4]) for r in rows)
+        cursor = (events[-1].xid, events[-1].event_id) if events else (xid, event_id)
+        return EventPage(events, cursor)
 
     # -- checks ----------------------------------------------------------------
 

@@ -1,0 +1,5 @@
+"""The HTTP API: a thin FastAPI layer over ReservationService (see docs/api.md)."""
+
+from .app import create_app
+
+__all__ = ["create_app"]

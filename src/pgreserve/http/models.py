@@ -1,0 +1,143 @@
+"""Request and response bodies. Strict: unknown fields, bools as numbers, and
+strings PostgreSQL cannot store are rejected before the service is called."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictStr
+
+from ..domain import MAX_LINES, MAX_NAME, MAX_QUANTITY, Reservation, StockView
+
+MAX_TTL_SECONDS = 24 * 3600
+MAX_COUNT = 2**53  # the largest integer every JSON client represents exactly
+
+
+def storable(value: str) -> str:
+    """Text PostgreSQL can store: no NUL, valid UTF-8 (no lone surrogates)."""
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode text") from None
+    return value
+
+
+def integer(value: Any) -> int:
+    """A JSON integer: 3 or 3.0 (JSON Schema calls both integers), never true, "3" or 3.5."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("must be an integer")
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError("must be an integer")
+        return int(value)
+    return value
+
+
+def Int(low: int, high: int) -> Any:
+    """An integer in [low, high]; bool is an int in Python, the validator keeps it out."""
+    return Annotated[int, Field(ge=low, le=high), BeforeValidator(integer)]
+Name = Annotated[StrictStr, Field(min_length=1, max_length=MAX_NAME), AfterValidator(storable)]
+Reason = Annotated[StrictStr, Field(max_length=MAX_NAME), AfterValidator(storable)]
+TtlSeconds = Int(1, MAX_TTL_SECONDS)
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# -- requests --------------------------------------------------------------------
+
+class StockSet(Strict):
+    on_hand: Int(0, MAX_COUNT)
+    strategy: Literal["row", "pool"] | None = None
+
+
+class StockAdjust(Strict):
+    delta: Int(-MAX_COUNT, MAX_COUNT)
+    reason: Reason = ""
+
+
+class LineIn(Strict):
+    sku: Name
+    location: Name
+    quantity: Int(1, MAX_QUANTITY)
+
+
+class ReserveIn(Strict):
+    """A cart: at most 100 lines, each naming a different (sku, location)."""
+
+    lines: Annotated[list[LineIn], Field(min_length=1, max_length=MAX_LINES)]
+    ttl_seconds: TtlSeconds = 900
+
+
+class ExtendIn(Strict):
+    ttl_seconds: TtlSeconds
+
+
+# -- responses -------------------------------------------------------------------
+
+class StockOut(BaseModel):
+    sku: str
+    location: str
+    on_hand: int
+    reserved: int
+    available: int
+    strategy: Literal["row", "pool"]
+
+
+class LineOut(BaseModel):
+    sku: str
+    location: str
+    quantity: int
+
+
+class ReservationOut(BaseModel):
+    id: str
+    status: Literal["active", "claimed", "released", "expired"]
+    created_at: str
+    expires_at: str
+    claimed_at: str | None
+    released_at: str | None
+    expired_at: str | None
+    lines: list[LineOut]
+
+
+class EventOut(BaseModel):
+    id: int
+    type: str
+    created_at: str
+    data: dict[str, Any]
+
+
+class EventsOut(BaseModel):
+    events: list[EventOut]
+    next_cursor: str
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+def stock_doc(view: StockView) -> dict[str, Any]:
+    return {"sku": view.sku, "location": view.location, "on_hand": view.on_hand,
+            "reserved": view.reserved, "available": view.available,
+            "strategy": view.strategy.value}
+
+
+def reservation_doc(r: Reservation) -> dict[str, Any]:
+    def ts(value: Any) -> str | None:
+        return None if value is None else value.isoformat()
+
+    return {
+        "id": r.id,
+        "status": r.status.value,
+        "created_at": ts(r.created_at),
+        "expires_at": ts(r.expires_at),
+        "claimed_at": ts(r.claimed_at),
+        "released_at": ts(r.released_at),
+        "expired_at": ts(r.expired_at),
+        "lines": [{"sku": x.sku, "location": x.location, "quantity": x.quantity}
+                  for x in r.lines],
+    }

@@ -1,0 +1,185 @@
+"""Errors as RFC 9457 problem details; ONE table maps error classes to HTTP status."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+from starlette.responses import Response
+
+from .. import errors
+
+PROBLEM_MEDIA_TYPE = "application/problem+json"
+
+
+# -- errors that only exist at the HTTP layer ----------------------------------
+
+class Unauthorized(errors.PgReserveError):
+    code = "unauthorized"
+
+
+class IdempotencyKeyMissing(errors.PgReserveError):
+    code = "idempotency_key_missing"
+
+
+class RequestInProgress(errors.PgReserveError):
+    """The same Idempotency-Key is being processed by this server right now."""
+
+    code = "request_in_progress"
+    retryable = True
+
+
+class InsufficientStock(errors.PgReserveError):
+    """Not an exception in the core (a rejected ReserveOutcome); raised to render it."""
+
+    code = "insufficient_stock"
+
+
+class PayloadTooLarge(errors.PgReserveError):
+    code = "payload_too_large"
+
+
+class NotFound(errors.PgReserveError):
+    code = "not_found"
+
+
+class MethodNotAllowed(errors.PgReserveError):
+    code = "method_not_allowed"
+
+
+class Unavailable(errors.PgReserveError):
+    code = "unavailable"
+    retryable = True
+
+
+class InternalError(errors.PgReserveError):
+    code = "internal_error"
+
+
+# (status, title) per error class; the most specific class in the MRO wins.
+STATUS: dict[type[errors.PgReserveError], tuple[int, str]] = {
+    errors.InvalidRequest: (422, "Invalid request"),
+    errors.UnknownTenant: (401, "Unauthorized"),
+    errors.UnknownStock: (404, "Unknown stock"),
+    errors.ReservationNotFound: (404, "Reservation not found"),
+    errors.IdempotencyKeyReused: (422, "Idempotency-Key reused with another request"),
+    errors.WouldOversell: (409, "Adjustment would oversell"),
+    errors.ReservationReleased: (409, "Reservation was released"),
+    errors.ReservationClaimed: (409, "Reservation was claimed"),
+    errors.ReservationExpired: (409, "Reservation expired"),
+    errors.ReservationNotActive: (409, "Reservation is not active"),
+    errors.Busy: (503, "Busy, retry later"),
+    errors.OutcomeUnknown: (503, "Outcome unknown, retry with the same Idempotency-Key"),
+    Unauthorized: (401, "Unauthorized"),
+    IdempotencyKeyMissing: (400, "Idempotency-Key header required"),
+    RequestInProgress: (409, "A request with this Idempotency-Key is in progress"),
+    InsufficientStock: (409, "Insufficient stock"),
+    PayloadTooLarge: (413, "Request body too large"),
+    NotFound: (404, "Not found"),
+    MethodNotAllowed: (405, "Method not allowed"),
+    Unavailable: (503, "Service unavailable"),
+    InternalError: (500, "Internal server error"),
+}
+
+
+def status_of(exc: errors.PgReserveError) -> tuple[int, str]:
+    for cls in type(exc).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]  # type: ignore[index]
+    return 500, "Internal server error"
+
+
+# -- the problem document (also the OpenAPI schema of every error) -------------
+
+class ShortLine(BaseModel):
+    sku: str
+    location: str
+    requested: int
+    available: int
+
+
+class StockRef(BaseModel):
+    sku: str
+    location: str
+
+
+class FieldError(BaseModel):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class Problem(BaseModel):
+    """application/problem+json (RFC 9457) with a stable machine-readable `code`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: str
+    title: str
+    status: int
+    detail: str
+    code: str
+    short_lines: list[ShortLine] | None = None
+    unknown_stock: list[StockRef] | None = None
+    errors: list[FieldError] | None = None
+
+
+def render(doc: dict[str, Any]) -> bytes:
+    """The one JSON encoding of every response body: deterministic, so replays match bytes."""
+    return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def problem_doc(exc: errors.PgReserveError, **extra: Any) -> dict[str, Any]:
+    status, title = status_of(exc)
+    doc: dict[str, Any] = {
+        "type": f"urn:pgreserve:problem:{exc.code}",
+        "title": title,
+        "status": status,
+        "detail": exc.message,
+        "code": exc.code,
+    }
+    doc.update({k: v for k, v in extra.items() if v is not None})
+    return doc
+
+
+def problem_response(exc: errors.PgReserveError, headers: dict[str, str] | None = None,
+                     **extra: Any) -> Response:
+    doc = problem_doc(exc, **extra)
+    hdrs = dict(headers or {})
+    if doc["status"] == 401:
+        hdrs.setdefault("WWW-Authenticate", "Bearer")
+    if exc.retryable:
+        hdrs.setdefault("Retry-After", "1")
+    return Response(render(doc), status_code=doc["status"], headers=hdrs,
+                    media_type=PROBLEM_MEDIA_TYPE)
+
+
+def unknown_stock_refs(exc: errors.PgReserveError) -> list[dict[str, str]] | None:
+    detail = exc.details.get("detail")
+    if isinstance(detail, list):
+        return [{"sku": str(d["sku"]), "location": str(d["location"])}
+                for d in detail if isinstance(d, dict) and "sku" in d and "location" in d]
+    return None
+
+
+def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` entries documenting problem+json for these statuses."""
+    out: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        out[status] = {
+            "description": _DESCRIPTIONS.get(status, "Problem"),
+            "content": {PROBLEM_MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}},
+        }
+    return out
+
+
+_DESCRIPTIONS = {
+    400: "Bad request (idempotency_key_missing)",
+    401: "Missing or unknown API key (unauthorized)",
+    404: "Not found (unknown_stock, reservation_not_found)",
+    409: "Conflict with the current state",
+    413: "Request body too large",
+    422: "Invalid request (invalid_request, idempotency_key_reused)",
+    503: "Busy or database unavailable; retry",
+}

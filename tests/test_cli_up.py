@@ -1,0 +1,73 @@
+"""`pgreserve up` (what `make run` runs), end to end in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import httpx
+
+BIN = Path(sys.executable).parent / "pgreserve"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_up_tenant_create_reserve_and_sigterm() -> None:
+    """up serves the API on an embedded database; tenant create joins it; SIGTERM exits 0."""
+    root = Path(tempfile.mkdtemp(prefix="pgr-"))  # short: the socket lives in the data dir
+    data = str(root / "data")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PGRESERVE_")}
+    proc = subprocess.Popen([str(BIN), "up", "--data-dir", data, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    up = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "Press Ctrl-C" in line:
+                up.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert up.wait(120), "".join(lines)
+        assert any(f"http://127.0.0.1:{port}" in x for x in lines)
+        assert any("tenant create" in x for x in lines)
+        created = subprocess.run([str(BIN), "tenant", "create", "shop", "--json",
+                                  "--data-dir", data], capture_output=True, text=True,
+                                 env=env, timeout=120, check=True)
+        doc = json.loads(created.stdout)
+        assert doc["tenant"] == "shop" and doc["api_key"].startswith("pgr_")
+        headers = {"Authorization": f"Bearer {doc['api_key']}"}
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=headers,
+                          timeout=30) as client:
+            assert client.get("/healthz").json() == {"status": "ok"}
+            assert client.put("/v1/stock/wh/sku-1", json={"on_hand": 5}).status_code == 200
+            resp = client.post("/v1/reservations", headers={"Idempotency-Key": "order-1"},
+                               json={"lines": [{"sku": "sku-1", "location": "wh",
+                                                "quantity": 2}]})
+            assert resp.status_code == 201 and resp.json()["status"] == "active"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, "".join(lines)
+        reader.join(timeout=10)
+        assert any("stopped cleanly" in x for x in lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(root, ignore_errors=True)

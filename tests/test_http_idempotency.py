@@ -1,0 +1,168 @@
+"""Idempotency-Key over HTTP: required where documented, replays byte-for-byte, rejects reuse."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import httpx
+import psycopg
+
+from conftest import ApiTenant
+from pgreserve import Database, ReservationService
+from pgreserve.http import create_app
+from test_http_api import assert_problem, put_stock, reserve
+
+CART = [("s", "wh", 2)]
+
+
+async def test_missing_key_is_400(api: ApiTenant) -> None:
+    """POST /v1/reservations and adjustments without Idempotency-Key are 400."""
+    await put_stock(api, "s", 5)
+    resp = await api.client.post("/v1/reservations",
+                                 json={"lines": [{"sku": "s", "location": "wh", "quantity": 1}]})
+    assert_problem(resp, 400, "idempotency_key_missing")
+    resp = await api.client.post("/v1/stock/wh/s/adjustments", json={"delta": 1},
+                                 headers={"Idempotency-Key": ""})
+    assert_problem(resp, 400, "idempotency_key_missing")
+    assert (await api.client.get("/v1/stock/wh/s")).json()["reserved"] == 0
+
+
+async def test_overlong_key_is_422(api: ApiTenant) -> None:
+    """A key over 200 characters is 422 invalid_request."""
+    await put_stock(api, "s", 5)
+    assert_problem(await reserve(api, "k" * 201, CART), 422, "invalid_request")
+
+
+async def test_same_key_same_body_replays_bytes(api: ApiTenant) -> None:
+    """The same key and body replays the first 201 byte-for-byte, marked, without taking stock."""
+    await put_stock(api, "s", 5)
+    first = await reserve(api, "k1", CART)
+    assert first.status_code == 201 and "idempotent-replayed" not in first.headers
+    await api.client.post(f"/v1/reservations/{first.json()['id']}/claim")
+    again = await reserve(api, "k1", CART)
+    assert again.status_code == 201
+    assert again.content == first.content
+    assert again.headers["idempotent-replayed"] == "true"
+    stock = (await api.client.get("/v1/stock/wh/s")).json()
+    assert (stock["on_hand"], stock["reserved"]) == (3, 0)
+
+
+async def test_rejected_reserve_replays_its_409(api: ApiTenant) -> None:
+    """A stored insufficient_stock answer replays as the same 409 even after stock arrives."""
+    await put_stock(api, "s", 1)
+    first = await reserve(api, "k1", CART)
+    assert_problem(first, 409, "insufficient_stock")
+    await put_stock(api, "s", 100)
+    again = await reserve(api, "k1", CART)
+    assert again.status_code == 409 and again.content == first.content
+    assert again.headers["idempotent-replayed"] == "true"
+
+
+async def test_same_key_other_body_is_422(api: ApiTenant) -> None:
+    """The same key with another body is 422 idempotency_key_reused; the first is untouched."""
+    await put_stock(api, "s", 5)
+    first = await reserve(api, "k1", CART)
+    assert_problem(await reserve(api, "k1", [("s", "wh", 3)]), 422, "idempotency_key_reused")
+    assert_problem(await reserve(api, "k1", CART, ttl=60), 422, "idempotency_key_reused")
+    resp = await api.client.post("/v1/stock/wh/s/adjustments", json={"delta": 1},
+                                 headers={"Idempotency-Key": "k1"})
+    assert_problem(resp, 422, "idempotency_key_reused")
+    got = await api.client.get(f"/v1/reservations/{first.json()['id']}")
+    assert got.json() == first.json()
+
+
+async def test_adjustment_replay(api: ApiTenant) -> None:
+    """A repeated adjustment applies once and replays its first answer byte-for-byte."""
+    await put_stock(api, "s", 5)
+    args = {"json": {"delta": 2, "reason": "receipt"}, "headers": {"Idempotency-Key": "a"}}
+    first = await api.client.post("/v1/stock/wh/s/adjustments", **args)  # type: ignore[arg-type]
+    again = await api.client.post("/v1/stock/wh/s/adjustments", **args)  # type: ignore[arg-type]
+    assert first.status_code == again.status_code == 200
+    assert again.content == first.content and again.headers["idempotent-replayed"] == "true"
+    assert (await api.client.get("/v1/stock/wh/s")).json()["on_hand"] == 7
+
+
+async def test_keyed_extend_replays(api: ApiTenant) -> None:
+    """A retried extend with the same key does not push the expiry again; another id is 422."""
+    await put_stock(api, "s", 5)
+    rid = (await reserve(api, "k1", CART)).json()["id"]
+    other = (await reserve(api, "k2", CART)).json()["id"]
+    h = {"Idempotency-Key": "e1"}
+    first = await api.client.post(f"/v1/reservations/{rid}/extend", json={"ttl_seconds": 600},
+                                  headers=h)
+    again = await api.client.post(f"/v1/reservations/{rid}/extend", json={"ttl_seconds": 600},
+                                  headers=h)
+    assert first.status_code == again.status_code == 200
+    assert again.content == first.content and again.headers["idempotent-replayed"] == "true"
+    resp = await api.client.post(f"/v1/reservations/{other}/extend", json={"ttl_seconds": 600},
+                                 headers=h)
+    assert_problem(resp, 422, "idempotency_key_reused")
+
+
+async def test_keys_are_per_tenant(api: ApiTenant, other: ApiTenant) -> None:
+    """Two tenants may use the same key independently."""
+    await put_stock(api, "s", 5)
+    await put_stock(other, "s", 5)
+    a = await reserve(api, "same", CART)
+    b = await reserve(other, "same", CART)
+    assert a.status_code == b.status_code == 201 and a.json()["id"] != b.json()["id"]
+
+
+async def test_concurrent_same_key_in_one_process(api: ApiTenant, dsn: str) -> None:
+    """Concurrent duplicates get 409 request_in_progress or the replay; one hold is made."""
+    await put_stock(api, "s", 50)
+    results = await asyncio.gather(*(reserve(api, "dup", CART) for _ in range(8)))
+    ok = [r for r in results if r.status_code == 201]
+    busy = [r for r in results if r.status_code == 409]
+    assert len(ok) + len(busy) == len(results) and ok
+    assert all(r.content == ok[0].content for r in ok)
+    for r in busy:
+        assert_problem(r, 409, "request_in_progress")
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM reservation").fetchone() == (1,)
+    final = await reserve(api, "dup", CART)
+    assert final.content == ok[0].content
+
+
+async def test_concurrent_same_key_across_processes(api: ApiTenant, dsn: str) -> None:
+    """Two app instances (like two server processes) racing one key both answer the stored 201."""
+    await put_stock(api, "s", 50)
+    clients = []
+    for _ in range(4):
+        database = await Database(dsn, max_size=2).open()
+        app = create_app(database=database)
+        clients.append((database, httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t",
+            headers={"Authorization": f"Bearer {api.key}"})))
+    try:
+        body = {"lines": [{"sku": "s", "location": "wh", "quantity": 2}]}
+        results = await asyncio.gather(*(
+            c.post("/v1/reservations", json=body, headers={"Idempotency-Key": "race"})
+            for _, c in clients))
+    finally:
+        for database, c in clients:
+            await c.aclose()
+            await database.close()
+    assert {r.status_code for r in results} == {201}
+    assert len({r.content for r in results}) == 1
+    assert sum(r.headers.get("idempotent-replayed") == "true" for r in results) == 3
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM reservation").fetchone() == (1,)
+
+
+async def test_old_keys_are_purged(api: ApiTenant, db: Database) -> None:
+    """Keys older than the retention are forgotten by the janitor; newer ones are kept."""
+    from pgreserve.workers.janitor import Janitor, JanitorConfig
+    from test_lifecycle import Clock
+
+    await put_stock(api, "s", 5)
+    await reserve(api, "old", CART)
+    clock = Clock()
+    clock.now = clock.now.replace(year=2100)  # far past every key's created_at
+    janitor = Janitor(ReservationService(db, clock=clock), JanitorConfig(keep=timedelta(hours=24)))
+    assert await janitor.run_once() == 1
+    assert await janitor.run_once() == 0
+    fresh = Janitor(ReservationService(db), JanitorConfig(keep=timedelta(hours=24)))
+    await reserve(api, "new", CART)
+    assert await fresh.run_once() == 0
