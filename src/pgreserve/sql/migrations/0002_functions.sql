@@ -218,8 +218,9 @@ END $$;
 -- read it here).
 CREATE FUNCTION bucket_take_v1(p_tenant bigint, p_bucket bigint, p_qty integer,
                                p_now timestamptz, p_strategy text DEFAULT NULL,
-                               p_lo bigint DEFAULT NULL, p_hi bigint DEFAULT NULL)
-RETURNS boolean LANGUAGE plpgsql AS $$
+                               p_lo bigint DEFAULT NULL, p_hi bigint DEFAULT NULL,
+                               OUT ok boolean, OUT seen_available bigint)
+LANGUAGE plpgsql AS $$
 DECLARE
     v_strategy text := p_strategy;
     v_lo bigint := p_lo;
@@ -229,6 +230,7 @@ DECLARE
     v_rep record;
     v_reclaimed bigint;
 BEGIN
+    ok := false;
     IF v_strategy IS NULL THEN
         SELECT strategy, pool_lo, pool_hi INTO v_strategy, v_lo, v_hi
         FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
@@ -239,7 +241,8 @@ BEGIN
         WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND strategy = 'row'
           AND free >= p_qty;
         IF FOUND THEN
-            RETURN true;
+            ok := true;
+            RETURN;
         END IF;
         SELECT strategy, pool_lo, pool_hi INTO v_strategy, v_lo, v_hi
         FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
@@ -248,7 +251,7 @@ BEGIN
             IF NOT EXISTS (SELECT 1 FROM reservation_line
                            WHERE tenant_id = p_tenant AND bucket_id = p_bucket
                              AND held AND expires_at <= p_now) THEN
-                RETURN false;
+                RETURN;
             END IF;
             PERFORM 1 FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
             FOR NO KEY UPDATE;
@@ -258,7 +261,8 @@ BEGIN
             UPDATE stock_bucket SET free = free - p_qty
             WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND strategy = 'row'
               AND free >= p_qty;
-            RETURN FOUND;
+            ok := FOUND;
+            RETURN;
         END IF;
         -- switched to pool meanwhile: take from the pool below
     END IF;
@@ -268,7 +272,8 @@ BEGIN
         CASE WHEN v_hi > v_lo THEN v_lo + floor(random() * (v_hi - v_lo + 1))::bigint
              ELSE 0 END);
     IF v_got = p_qty THEN
-        RETURN true;
+        ok := true;
+        RETURN;
     END IF;
 
     -- Sold out is cheap: nothing free and nothing expired means no refill can
@@ -279,16 +284,12 @@ BEGIN
        AND NOT EXISTS (SELECT 1 FROM reservation_line
                        WHERE tenant_id = p_tenant AND bucket_id = p_bucket
                          AND held AND expires_at <= p_now) THEN
-        -- A refill that committed after the take's snapshot but before the
-        -- read of free is visible now: one more look before saying no.
-        v_got := v_got + pool_take_units_v1(p_tenant, p_bucket, p_qty - v_got, 0);
-        IF v_got = p_qty THEN
-            RETURN true;
-        END IF;
-        -- Units other buyers have locked are not sold until they commit. Wait
-        -- for them (no SKIP LOCKED here) rather than turn away a buyer whose
-        -- units come back on a rollback: a stored rejection is final for its
-        -- key. An empty pool has nothing to wait for, so sold out stays cheap.
+        -- One more look, in a new snapshot, and without SKIP LOCKED: it sees a
+        -- refill that committed after the take's snapshot, and it waits for
+        -- units other buyers have locked (they are not sold until those
+        -- commit; a stored rejection is final for its key, so a rollback must
+        -- not leave this buyer turned away). An empty pool has nothing to wait
+        -- for, so sold out stays cheap.
         PERFORM 1 FROM stock_unit
         WHERE tenant_id = p_tenant AND bucket_id = p_bucket
         ORDER BY unit_id LIMIT p_qty - v_got
@@ -296,11 +297,15 @@ BEGIN
         IF FOUND THEN
             v_got := v_got + pool_take_units_v1(p_tenant, p_bucket, p_qty - v_got, 0);
             IF v_got = p_qty THEN
-                RETURN true;
+                ok := true;
+                RETURN;
             END IF;
+        ELSE
+            -- nothing in the pool, nothing expired: what is free is all there is
+            seen_available := v_free + v_got;
         END IF;
         PERFORM bucket_untake_v1(p_tenant, p_bucket, v_got, 'pool');
-        RETURN false;
+        RETURN;
     END IF;
 
     -- Refill inline. Waiting for the bucket row lock is waiting for a refill
@@ -310,7 +315,8 @@ BEGIN
     FOR NO KEY UPDATE;
     v_got := v_got + pool_take_units_v1(p_tenant, p_bucket, p_qty - v_got, 0);
     IF v_got = p_qty THEN
-        RETURN true;
+        ok := true;
+        RETURN;
     END IF;
     v_rep := pool_replenish_v1(p_tenant, p_bucket, p_qty - v_got, p_now);
     v_got := v_got + v_rep.direct;
@@ -320,9 +326,9 @@ BEGIN
         UPDATE stock_bucket SET free = free + v_rep.direct
         WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
         PERFORM bucket_untake_v1(p_tenant, p_bucket, v_got - v_rep.direct, 'pool');
-        RETURN false;
+        RETURN;
     END IF;
-    RETURN true;
+    ok := true;
 END $$;
 
 -- Undo a take of this transaction: row units back to free (the caller holds
@@ -418,6 +424,8 @@ DECLARE
     v_missing jsonb;
     v_taken integer := 0;
     v_short integer[] := '{}';
+    v_seen bigint[] := '{}';
+    v_take record;
     v_id uuid;
     v_outcome jsonb;
     v_view jsonb;
@@ -455,8 +463,9 @@ BEGIN
     END IF;
 
     FOR i IN 1 .. cardinality(v_buckets) LOOP
-        IF bucket_take_v1(p_tenant, v_buckets[i], p_quantities[i], v_now,
-                          v_strategies[i], v_los[i], v_his[i]) THEN
+        v_take := bucket_take_v1(p_tenant, v_buckets[i], p_quantities[i], v_now,
+                                 v_strategies[i], v_los[i], v_his[i]);
+        IF v_take.ok THEN
             IF v_short = '{}' THEN
                 v_taken := i;
             ELSE
@@ -465,6 +474,7 @@ BEGIN
             END IF;
         ELSE
             v_short := v_short || i;
+            v_seen := v_seen || v_take.seen_available;
         END IF;
     END LOOP;
 
@@ -481,12 +491,18 @@ BEGIN
         SELECT jsonb_agg(jsonb_build_object(
                    'sku', p_skus[k], 'location', p_locations[k], 'requested', p_quantities[k],
                    'available',
-                   (bucket_view_v1(p_tenant, v_buckets[k], v_now) ->> 'available')::bigint)
-                   ORDER BY k)
-        INTO v_outcome FROM unnest(v_short) AS k;
+                   coalesce(seen, (bucket_view_v1(p_tenant, v_buckets[k], v_now)
+                                   ->> 'available')::bigint))
+                   ORDER BY n)
+        INTO v_outcome FROM unnest(v_short, v_seen) WITH ORDINALITY AS u(k, seen, n);
         v_status := 'rejected';
         v_outcome := jsonb_build_object('status', 'rejected', 'reason', 'insufficient_stock',
                                         'short_lines', v_outcome);
+        -- This transaction took nothing: it only records the rejection. It
+        -- need not wait for its WAL to reach disk (sold out must be cheap). A
+        -- crash in the next few hundred milliseconds can lose the record;
+        -- nothing else is lost, and a retry of the key then runs afresh.
+        PERFORM set_config('synchronous_commit', 'off', true);
     ELSE
         v_id := gen_random_uuid();
         INSERT INTO reservation (tenant_id, reservation_id, request_key, created_at, expires_at)
@@ -570,7 +586,7 @@ BEGIN
             WHERE tenant_id = p_tenant AND reservation_id = p_id AND line_no = v_line.line_no;
         ELSE
             -- Given up at expiry: take the units again, or fail the claim.
-            IF NOT bucket_take_v1(p_tenant, v_line.bucket_id, v_line.quantity, v_now) THEN
+            IF NOT (bucket_take_v1(p_tenant, v_line.bucket_id, v_line.quantity, v_now)).ok THEN
                 RAISE EXCEPTION 'reservation % expired and its stock is gone', p_id
                     USING ERRCODE = 'PR425';
             END IF;
