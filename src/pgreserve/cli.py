@@ -21,6 +21,7 @@ from .workers.base import run_forever
 from .workers.janitor import Janitor, JanitorConfig
 from .workers.replenisher import Replenisher
 from .workers.sweeper import Sweeper
+from .workers.webhooks import WebhookDeliverer
 
 console = Console(stderr=True, soft_wrap=True)
 
@@ -153,7 +154,8 @@ def tenant_key(name: str, as_json: bool, database_url: str | None, data_dir: str
 @with_db
 @retention_option
 def worker(database_url: str | None, data_dir: str | None, key_retention_hours: float) -> None:
-    """Run the background workers (expiry sweeper, key janitor) until SIGTERM or Ctrl-C."""
+    """Run the background workers (expiry sweeper, pool replenisher, key janitor, webhook
+    deliverer) until SIGTERM or Ctrl-C."""
     with _dsn(database_url, data_dir) as dsn:
         migrations.migrate(dsn)
         asyncio.run(_run(dsn, http=None, workers=True, key_retention_hours=key_retention_hours))
@@ -211,13 +213,15 @@ async def _run(dsn: str, *, http: tuple[str, int] | None, workers: bool,
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     tasks: list[asyncio.Task[None]] = []
+    deliverer: WebhookDeliverer | None = None
     server = None
-    async with Database(dsn, max_size=3, application_name="pgreserve:workers") as database:
+    async with Database(dsn, max_size=5, application_name="pgreserve:workers") as database:
         service = ReservationService(database)
         if workers:
             keep = timedelta(hours=key_retention_hours)
+            deliverer = WebhookDeliverer(service)
             for w in (Sweeper(service), Replenisher(service),
-                      Janitor(service, JanitorConfig(keep=keep))):
+                      Janitor(service, JanitorConfig(keep=keep)), deliverer):
                 tasks.append(asyncio.create_task(run_forever(w, stop)))
         if http is not None:
             from .http.server import ApiServer
@@ -233,13 +237,16 @@ async def _run(dsn: str, *, http: tuple[str, int] | None, workers: bool,
                               "NAME  (with the same --data-dir / --database-url)")
                 console.print("Press Ctrl-C to stop.")
         elif announce:
-            console.print("workers: expiry sweeper, pool replenisher, key janitor. Press Ctrl-C to stop.")
+            console.print("workers: expiry sweeper, pool replenisher, key janitor, webhook "
+                          "deliverer. Press Ctrl-C to stop.")
         stop_task = asyncio.create_task(stop.wait())
         await asyncio.wait([stop_task, *tasks], return_when=asyncio.FIRST_COMPLETED)
         stop.set()
         if server is not None:
             server.should_exit = True
         results = await asyncio.gather(*tasks, return_exceptions=True)
+        if deliverer is not None:
+            await deliverer.aclose()  # hand back endpoint leases while the pool is open
         stop_task.cancel()
     failed = [r for r in results if isinstance(r, BaseException)]
     if server is not None and not server.started:

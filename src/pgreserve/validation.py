@@ -94,3 +94,29 @@ def cart(lines: Iterable[Any]) -> list[Line]:
                 field="lines",
             )
     return parsed
+
+
+MAX_URL = 2000
+
+
+def webhook_url(value: Any) -> str:
+    """An absolute http:// or https:// URL with a host, at most 2000 characters."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(value, str):
+        raise InvalidRequest("url must be a string", field="url")
+    if len(value) > MAX_URL:
+        raise InvalidRequest(f"url must be at most {MAX_URL} characters", field="url")
+    if not value.isprintable() or any(c.isspace() for c in value):
+        raise InvalidRequest("url must not contain spaces or control characters", field="url")
+    try:
+        parts = urlsplit(value)
+        port = parts.port  # raises ValueError for a bad port
+    except ValueError:
+        raise InvalidRequest("url is not a valid URL", field="url") from None
+    if parts.scheme.lower() not in ("http", "https"):
+        raise InvalidRequest("url must start with http:// or https://", field="url")
+    if not parts.hostname:
+        raise InvalidRequest("url must name a host", field="url")
+    del port
+    return value
