@@ -150,6 +150,73 @@ def tenant_key(name: str, as_json: bool, database_url: str | None, data_dir: str
     click.echo(json.dumps({"tenant": name, "api_key": key}) if as_json else key)
 
 
+@main.group()
+def webhook() -> None:
+    """Webhook endpoints that receive a tenant's events."""
+
+
+def _tenant_service_call(dsn: str, name: str, op: Any) -> Any:
+    async def go() -> Any:
+        async with Database(dsn, min_size=1, max_size=1) as database:
+            svc = ReservationService(database)
+            found = await svc.tenant_by_name(name)
+            if found is None:
+                raise click.ClickException(f"no tenant named {name!r}")
+            try:
+                return await op(svc, found.id)
+            except errors.PgReserveError as exc:
+                raise click.ClickException(exc.message) from None
+
+    return asyncio.run(go())
+
+
+@webhook.command("add")
+@click.argument("tenant_name", metavar="TENANT")
+@click.argument("url")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@with_db
+def webhook_add(tenant_name: str, url: str, as_json: bool, database_url: str | None,
+                data_dir: str | None) -> None:
+    """Register URL for TENANT's events; prints the signing secret (shown only now)."""
+    with _dsn(database_url, data_dir) as dsn:
+        migrations.migrate(dsn)
+        hook = _tenant_service_call(dsn, tenant_name, lambda s, t: s.add_webhook(t, url))
+    if as_json:
+        click.echo(json.dumps({"id": hook.id, "url": hook.url, "secret": hook.secret}))
+    else:
+        click.echo(f"webhook {hook.id} -> {hook.url}")
+        click.echo(f"signing secret (shown only now): {hook.secret}")
+
+
+@webhook.command("list")
+@click.argument("tenant_name", metavar="TENANT")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@with_db
+def webhook_list(tenant_name: str, as_json: bool, database_url: str | None,
+                 data_dir: str | None) -> None:
+    """TENANT's webhook endpoints and their delivery state."""
+    with _dsn(database_url, data_dir) as dsn:
+        migrations.migrate(dsn)
+        hooks = _tenant_service_call(dsn, tenant_name, lambda s, t: s.webhooks(t))
+
+    def ts(value: Any) -> str | None:
+        return None if value is None else value.isoformat()
+
+    rows = [{"id": h.id, "url": h.url, "delivered": h.delivered, "attempts": h.attempts,
+             "last_error": h.last_error, "last_success_at": ts(h.last_success_at),
+             "next_attempt_at": ts(h.next_attempt_at)} for h in hooks]
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    if not rows:
+        click.echo("no webhooks")
+    for r in rows:
+        state = f"delivered {r['delivered']}"
+        if r["attempts"]:
+            state += f", {r['attempts']} failed attempt(s), last error: {r['last_error']}"
+        click.echo(f"{r['id']}  {r['url']}  {state}")
+
+
 @main.command()
 @with_db
 @retention_option

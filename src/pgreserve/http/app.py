@@ -39,9 +39,13 @@ from .models import (
     StockAdjust,
     StockOut,
     StockSet,
+    WebhookCreated,
+    WebhookIn,
+    WebhooksOut,
     reservation_doc,
     stock_doc,
     storable,
+    webhook_doc,
 )
 from .problems import PROBLEM_MEDIA_TYPE, Problem
 
@@ -443,6 +447,29 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
                         "data": e.payload} for e in page.events],
             "next_cursor": f"{page.cursor[0]}-{page.cursor[1]}",
         })
+
+    # -- webhooks ----------------------------------------------------------------
+
+    @app.post("/v1/webhooks", status_code=201, response_model=WebhookCreated, tags=["webhooks"],
+              responses=problems.responses(413, *common),
+              summary="Register a URL for this tenant's events (the secret is shown only now)")
+    async def add_webhook(body: WebhookIn, tenant: Tenant) -> Response:
+        created = await service().add_webhook(tenant, body.url)
+        return json_response(201, webhook_doc(created))
+
+    @app.get("/v1/webhooks", response_model=WebhooksOut, tags=["webhooks"],
+             responses=problems.responses(*common),
+             summary="This tenant's webhook endpoints and their delivery state")
+    async def list_webhooks(tenant: Tenant) -> Response:
+        found = await service().webhooks(tenant)
+        return json_response(200, {"webhooks": [webhook_doc(w) for w in found]})
+
+    @app.delete("/v1/webhooks/{webhook_id}", status_code=204, tags=["webhooks"],
+                response_class=Response, responses=problems.responses(404, *common),
+                summary="Remove an endpoint; nothing more is sent to it")
+    async def delete_webhook(webhook_id: Annotated[int, Path(ge=1)], tenant: Tenant) -> Response:
+        await service().delete_webhook(tenant, webhook_id)
+        return Response(status_code=204)
 
     # -- operations --------------------------------------------------------------
 
