@@ -237,7 +237,8 @@ KeyHeader = Annotated[str | None, Header(
 
 def create_app(dsn: str | None = None, *, database: Database | None = None,
                pool_size: int = 10, body_limit: int = DEFAULT_BODY_LIMIT,
-               clock: Clock | None = None) -> FastAPI:
+               clock: Clock | None = None, application_name: str = "pgreserve:http",
+               pool_min_size: int = 1) -> FastAPI:
     """The API over one database: pass a DSN (the app owns its pool) or an open Database.
 
     `clock` replaces the database clock (tests move time by hand).
@@ -252,7 +253,8 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if database is None:
             assert dsn is not None
-            owned = Database(dsn, max_size=pool_size, application_name="pgreserve:http")
+            owned = Database(dsn, min_size=min(pool_min_size, pool_size), max_size=pool_size,
+                             application_name=application_name)
             await owned.open()
             app.state.service = ReservationService(owned, **extra)
             try:
