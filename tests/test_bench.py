@@ -131,3 +131,48 @@ def test_plot_is_a_png(dsn: str, tmp_path: Path) -> None:
                              "100", "--strategy", "row", "--plot", str(png))
     assert code == 0, output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_http_target_sells_exactly_the_stock(dsn: str, tmp_path: Path) -> None:
+    """--target http drives the scenario through a server it starts: same JSON fields, target
+    "http" on every run, nothing oversold, every invariant kept."""
+    code, doc, output = invoke(dsn, tmp_path, "--units", "30", "--buyers", "4", "--requests",
+                               "90", "--retry-rate", "0.1", "--claim", "0.3", "--release", "0.2",
+                               "--quiet", "--strategy", "all", "--target", "http")
+    assert code == 0, output
+    assert [run["strategy"] for run in doc["runs"]] == ["row", "pool"]
+    for run in doc["runs"]:
+        assert RUN_FIELDS <= run.keys() and LATENCY_FIELDS <= run["latency_ms"].keys()
+        assert run["target"] == "http"
+        assert run["requests"] == 90 and run["errors"] == 0
+        assert run["held"] >= 30 and run["retries"] > 0 and run["claimed"] > 0
+        assert run["oversold"] == 0
+        assert run["invariants_ok"] is True and all(run["invariants"].values())
+    assert doc["config"]["target"] == "http"
+    assert "target http" in output
+
+
+def test_library_target_is_the_default(dsn: str, tmp_path: Path) -> None:
+    """Without --target the buyers use the library, and each run says so."""
+    code, doc, output = invoke(dsn, tmp_path, "--units", "10", "--buyers", "2", "--requests",
+                               "20", "--quiet", "--strategy", "row")
+    assert code == 0, output
+    assert [run["target"] for run in doc["runs"]] == ["library"]
+    assert doc["config"]["target"] == "library"
+
+
+async def test_http_target_against_a_running_service(dsn: str) -> None:
+    """--url/--api-key: the buyers use the given service and key; a tenant with stock is refused."""
+    from pgreserve import Database, ReservationService
+    from pgreserve.bench.http import HttpTarget, local_service
+
+    async with Database(dsn, max_size=1) as db:
+        _, key = await ReservationService(db).create_tenant_with_key("shop")
+    scenario = Scenario(units=20, requests=60, buyers=3, strategies=("pool",), pool_cap=8)
+    async with local_service(dsn, pool_size=3) as url:
+        target = HttpTarget(url=url, api_key=key)
+        [run] = await run_scenario(dsn, scenario, http=target)
+        assert run.target == "http" and run.held == 20 and run.rejected == 40
+        assert run.oversold == 0 and run.invariants_ok
+        with pytest.raises(InvalidRequest, match="already has stock"):
+            await run_scenario(dsn, scenario, http=target)

@@ -21,6 +21,7 @@ from .workers.base import run_forever
 from .workers.janitor import Janitor, JanitorConfig
 from .workers.replenisher import Replenisher
 from .workers.sweeper import Sweeper
+from .workers.webhooks import WebhookDeliverer
 
 console = Console(stderr=True, soft_wrap=True)
 
@@ -149,11 +150,79 @@ def tenant_key(name: str, as_json: bool, database_url: str | None, data_dir: str
     click.echo(json.dumps({"tenant": name, "api_key": key}) if as_json else key)
 
 
+@main.group()
+def webhook() -> None:
+    """Webhook endpoints that receive a tenant's events."""
+
+
+def _tenant_service_call(dsn: str, name: str, op: Any) -> Any:
+    async def go() -> Any:
+        async with Database(dsn, min_size=1, max_size=1) as database:
+            svc = ReservationService(database)
+            found = await svc.tenant_by_name(name)
+            if found is None:
+                raise click.ClickException(f"no tenant named {name!r}")
+            try:
+                return await op(svc, found.id)
+            except errors.PgReserveError as exc:
+                raise click.ClickException(exc.message) from None
+
+    return asyncio.run(go())
+
+
+@webhook.command("add")
+@click.argument("tenant_name", metavar="TENANT")
+@click.argument("url")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@with_db
+def webhook_add(tenant_name: str, url: str, as_json: bool, database_url: str | None,
+                data_dir: str | None) -> None:
+    """Register URL for TENANT's events; prints the signing secret (shown only now)."""
+    with _dsn(database_url, data_dir) as dsn:
+        migrations.migrate(dsn)
+        hook = _tenant_service_call(dsn, tenant_name, lambda s, t: s.add_webhook(t, url))
+    if as_json:
+        click.echo(json.dumps({"id": hook.id, "url": hook.url, "secret": hook.secret}))
+    else:
+        click.echo(f"webhook {hook.id} -> {hook.url}")
+        click.echo(f"signing secret (shown only now): {hook.secret}")
+
+
+@webhook.command("list")
+@click.argument("tenant_name", metavar="TENANT")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@with_db
+def webhook_list(tenant_name: str, as_json: bool, database_url: str | None,
+                 data_dir: str | None) -> None:
+    """TENANT's webhook endpoints and their delivery state."""
+    with _dsn(database_url, data_dir) as dsn:
+        migrations.migrate(dsn)
+        hooks = _tenant_service_call(dsn, tenant_name, lambda s, t: s.webhooks(t))
+
+    def ts(value: Any) -> str | None:
+        return None if value is None else value.isoformat()
+
+    rows = [{"id": h.id, "url": h.url, "delivered": h.delivered, "attempts": h.attempts,
+             "last_error": h.last_error, "last_success_at": ts(h.last_success_at),
+             "next_attempt_at": ts(h.next_attempt_at)} for h in hooks]
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    if not rows:
+        click.echo("no webhooks")
+    for r in rows:
+        state = f"delivered {r['delivered']}"
+        if r["attempts"]:
+            state += f", {r['attempts']} failed attempt(s), last error: {r['last_error']}"
+        click.echo(f"{r['id']}  {r['url']}  {state}")
+
+
 @main.command()
 @with_db
 @retention_option
 def worker(database_url: str | None, data_dir: str | None, key_retention_hours: float) -> None:
-    """Run the background workers (expiry sweeper, key janitor) until SIGTERM or Ctrl-C."""
+    """Run the background workers (expiry sweeper, pool replenisher, key janitor, webhook
+    deliverer) until SIGTERM or Ctrl-C."""
     with _dsn(database_url, data_dir) as dsn:
         migrations.migrate(dsn)
         asyncio.run(_run(dsn, http=None, workers=True, key_retention_hours=key_retention_hours))
@@ -211,13 +280,15 @@ async def _run(dsn: str, *, http: tuple[str, int] | None, workers: bool,
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     tasks: list[asyncio.Task[None]] = []
+    deliverer: WebhookDeliverer | None = None
     server = None
-    async with Database(dsn, max_size=3, application_name="pgreserve:workers") as database:
+    async with Database(dsn, max_size=5, application_name="pgreserve:workers") as database:
         service = ReservationService(database)
         if workers:
             keep = timedelta(hours=key_retention_hours)
+            deliverer = WebhookDeliverer(service)
             for w in (Sweeper(service), Replenisher(service),
-                      Janitor(service, JanitorConfig(keep=keep))):
+                      Janitor(service, JanitorConfig(keep=keep)), deliverer):
                 tasks.append(asyncio.create_task(run_forever(w, stop)))
         if http is not None:
             from .http.server import ApiServer
@@ -233,13 +304,16 @@ async def _run(dsn: str, *, http: tuple[str, int] | None, workers: bool,
                               "NAME  (with the same --data-dir / --database-url)")
                 console.print("Press Ctrl-C to stop.")
         elif announce:
-            console.print("workers: expiry sweeper, pool replenisher, key janitor. Press Ctrl-C to stop.")
+            console.print("workers: expiry sweeper, pool replenisher, key janitor, webhook "
+                          "deliverer. Press Ctrl-C to stop.")
         stop_task = asyncio.create_task(stop.wait())
         await asyncio.wait([stop_task, *tasks], return_when=asyncio.FIRST_COMPLETED)
         stop.set()
         if server is not None:
             server.should_exit = True
         results = await asyncio.gather(*tasks, return_exceptions=True)
+        if deliverer is not None:
+            await deliverer.aclose()  # hand back endpoint leases while the pool is open
         stop_task.cancel()
     failed = [r for r in results if isinstance(r, BaseException)]
     if server is not None and not server.started:

@@ -139,6 +139,22 @@ class EventPage:
 
 
 @dataclass(frozen=True)
+class Webhook:
+    """A registered endpoint and its delivery state (the secret only when just created)."""
+
+    id: int
+    url: str
+    created_at: datetime
+    delivered: int = 0
+    attempts: int = 0  # failed attempts at the next event
+    last_error: str | None = None
+    last_attempt_at: datetime | None = None
+    last_success_at: datetime | None = None
+    next_attempt_at: datetime | None = None
+    secret: str | None = None
+
+
+@dataclass(frozen=True)
 class Tenant:
     id: int
     name: str

@@ -51,6 +51,12 @@ class WouldOversell(PgReserveError):
     code = "would_oversell"
 
 
+class WebhookNotFound(PgReserveError):
+    """No such webhook endpoint for this tenant."""
+
+    code = "webhook_not_found"
+
+
 class ReservationReleased(PgReserveError):
     code = "reservation_released"
 

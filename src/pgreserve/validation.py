@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
@@ -94,3 +95,25 @@ def cart(lines: Iterable[Any]) -> list[Line]:
                 field="lines",
             )
     return parsed
+
+
+MAX_URL = 2000
+_PORT = r"(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[0-9]{1,4})"
+_NOSPACE = r"\x00-\x20\x7f\s"
+# http(s)://[userinfo@]host[:port][/path?query#fragment], no spaces or control characters.
+# The OpenAPI schema publishes the same pattern.
+URL_PATTERN = (rf"^[Hh][Tt][Tt][Pp][Ss]?://([^{_NOSPACE}/?#@\[\]]+@)?"
+               rf"[^{_NOSPACE}/?#@:\[\]]+(:{_PORT})?([/?#][^{_NOSPACE}]*)?$")
+_URL = re.compile(URL_PATTERN)
+
+
+def webhook_url(value: Any) -> str:
+    """An absolute http:// or https:// URL with a host, at most 2000 characters."""
+    if not isinstance(value, str):
+        raise InvalidRequest("url must be a string", field="url")
+    if len(value) > MAX_URL:
+        raise InvalidRequest(f"url must be at most {MAX_URL} characters", field="url")
+    if not _URL.fullmatch(value):
+        raise InvalidRequest("url must be an http:// or https:// URL with a host (and no "
+                             "spaces)", field="url")
+    return value

@@ -21,6 +21,7 @@ from ..db import migrate as migrations
 from ..db.embedded import EmbeddedServer
 from ..errors import InvalidRequest
 from . import report
+from .http import HttpTarget
 from .results import RunResult
 from .runner import BeforeCheck, run_scenario
 from .scenario import Scenario
@@ -88,13 +89,39 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
     @click.option("--quiet", is_flag=True, help="No progress bar.")
     @click.option("--database-url", envvar="PGRESERVE_BENCH_DATABASE_URL", default=None,
                   help="Run against this PostgreSQL instead of a fresh embedded server.")
+    @click.option("--target", type=click.Choice(["library", "http"]), default="library",
+                  show_default=True,
+                  help="library: buyers call the Python API; http: they call the HTTP API "
+                       "(one aiohttp session), of a server started here or of --url.")
+    @click.option("--url", default=None,
+                  help="With --target http: a running service's base URL (needs --api-key "
+                       "of a fresh tenant, --database-url of its database, one --strategy).")
+    @click.option("--api-key", default=None, help="With --url: the API key to buy with.")
     def flash_sale(units: int, buyers: int, requests_: int | None, quantity: int, skus: int,
                    hot_share: float, retry_rate: float, claim: float, release: float,
                    expire: float, expire_ttl: float, strategy: str, pool_cap: int,
                    takes: int | None, window: int, durable: bool, seed: int,
                    json_path: str | None, plot_path: str | None, quiet: bool,
-                   database_url: str | None) -> None:
+                   database_url: str | None, target: str, url: str | None,
+                   api_key: str | None) -> None:
         """Many buyers, few units: reservations/s, rejections/s, latency and the invariants."""
+        http: HttpTarget | None = None
+        if target == "http":
+            if url is not None:
+                if not api_key:
+                    raise click.BadParameter("--url needs --api-key", param_hint="--api-key")
+                if not database_url:
+                    raise click.BadParameter(
+                        "--url needs --database-url (the service's database: the bench "
+                        "seeds the stock and checks the books there)",
+                        param_hint="--database-url")
+                if strategy == "all":
+                    raise click.BadParameter("--url runs one strategy (row or pool) per "
+                                             "fresh tenant", param_hint="--strategy")
+            http = HttpTarget(url=url, api_key=api_key)
+        elif url is not None or api_key is not None:
+            raise click.BadParameter("--url and --api-key go with --target http",
+                                     param_hint="--target")
         strategies = ("row", "pool") if strategy == "all" else (strategy,)
         common: dict[str, Any] = dict(
             buyers=buyers, claim=claim, release=release, expire=expire, expire_ttl_s=expire_ttl,
@@ -118,9 +145,15 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
             migrations.migrate(dsn)
             err.print(f"[dim]{where}; {scenario.buyers} buyers, {scenario.requests:,} requests "
                       f"per strategy, synchronous_commit={'on' if durable else 'off'}[/]")
-            runs = _run(dsn, scenario, quiet, err, before_check)
+            try:
+                runs = _run(dsn, scenario, quiet, err, before_check, http)
+            except InvalidRequest as exc:
+                raise click.ClickException(exc.message) from None
         report.render(out, scenario, runs)
-        doc = report.document(scenario, runs, {"database": where})
+        extra: dict[str, Any] = {"database": where, "target": target}
+        if http is not None:
+            extra["api"] = http.url or "started by the bench (uvicorn, in-process, 127.0.0.1)"
+        doc = report.document(scenario, runs, extra)
         if json_path:
             report.write_json(json_path, doc)
             err.print(f"wrote {json_path}")
@@ -135,9 +168,9 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
 
 
 def _run(dsn: str, scenario: Scenario, quiet: bool, err: Console,
-         before_check: BeforeCheck | None) -> list[RunResult]:
+         before_check: BeforeCheck | None, http: HttpTarget | None) -> list[RunResult]:
     if quiet:
-        return asyncio.run(run_scenario(dsn, scenario, before_check=before_check))
+        return asyncio.run(run_scenario(dsn, scenario, before_check=before_check, http=http))
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     with Progress(*columns, console=err, transient=False) as bar:
@@ -145,7 +178,7 @@ def _run(dsn: str, scenario: Scenario, quiet: bool, err: Console,
                  for s in scenario.strategies}
         return asyncio.run(run_scenario(
             dsn, scenario, progress=lambda s, n: bar.advance(tasks[s], n),
-            before_check=before_check))
+            before_check=before_check, http=http))
 
 
 bench.add_command(make_flash_sale())

@@ -34,7 +34,8 @@ def _num(value: float | None, digits: int = 1) -> str:
 def render(console: Console, scenario: Scenario, runs: list[RunResult]) -> None:
     """The result table of each strategy, then the ratios."""
     for run in runs:
-        table = Table(title=f"flash sale, strategy {run.strategy}", show_header=True,
+        table = Table(title=f"flash sale, strategy {run.strategy}, target {run.target}",
+                      show_header=True,
                       title_justify="left")
         table.add_column("figure")
         table.add_column("value", justify="right")

@@ -76,6 +76,7 @@ class RunResult:
     db_after: DbSnapshot | None = None
     client_stats: dict[str, int] = field(default_factory=dict)
     peak_pool_dead_tuples: int | None = None
+    target: str = "library"  # how the buyers reached the service: "library" or "http"
 
     # -- counts ----------------------------------------------------------------
 
@@ -221,6 +222,7 @@ class RunResult:
         book = self.ledger
         return {
             "strategy": self.strategy,
+            "target": self.target,
             "requests": self.requests,
             "held": self.held,
             "rejected": self.rejected,

@@ -9,16 +9,19 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from typing import Any, Protocol
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from ..core.service import ReservationService
 from ..db.database import Database
-from ..errors import PgReserveError
+from ..errors import InvalidRequest, PgReserveError
+from .http import HttpBuyer, HttpTarget, client_session, local_service
 from .results import ERROR, HELD, REJECTED, REPLAYED, DbSnapshot, Ledger, RunResult, Sample
 from .scenario import PlannedRequest, Scenario, plan
 
@@ -36,6 +39,17 @@ class CheckContext:
     strategy: str
 
 
+class Buyer(Protocol):
+    """What a buyer calls: the library (ReservationService) or the HTTP API (HttpBuyer)."""
+
+    async def reserve(self, tenant: int, request_key: str, lines: Iterable[Any], *,
+                      ttl: timedelta) -> Any: ...
+
+    async def claim(self, tenant: int, reservation_id: str) -> Any: ...
+
+    async def release(self, tenant: int, reservation_id: str) -> Any: ...
+
+
 Progress = Callable[[str, int], None]
 BeforeCheck = Callable[[CheckContext], Awaitable[None]]
 
@@ -50,24 +64,37 @@ def with_commit_mode(dsn: str, durable: bool) -> str:
 
 
 async def run_scenario(dsn: str, scenario: Scenario, *, progress: Progress | None = None,
-                       before_check: BeforeCheck | None = None) -> list[RunResult]:
-    """Run each of the scenario's strategies in turn on the same server."""
+                       before_check: BeforeCheck | None = None,
+                       http: HttpTarget | None = None) -> list[RunResult]:
+    """Run each of the scenario's strategies in turn on the same server.
+
+    `http` sends the buyers' calls through the HTTP API instead of the library.
+    """
     results = []
     for strategy in scenario.strategies:
         results.append(await run_strategy(dsn, scenario, strategy, progress=progress,
-                                          before_check=before_check))
+                                          before_check=before_check, http=http))
     return results
 
 
 async def run_strategy(dsn: str, scenario: Scenario, strategy: str, *,
                        progress: Progress | None = None,
-                       before_check: BeforeCheck | None = None) -> RunResult:
+                       before_check: BeforeCheck | None = None,
+                       http: HttpTarget | None = None) -> RunResult:
     """One strategy: a fresh tenant and buckets, the buyers, a final sweep, then the checks."""
     dsn = with_commit_mode(dsn, scenario.durable)
     requests = plan(scenario)
     async with Database(dsn, min_size=1, max_size=1, application_name=ADMIN_APP) as admin:
         service = ReservationService(admin)
-        tenant = await service.create_tenant(f"bench-{strategy}-{uuid.uuid4().hex[:12]}")
+        api_key: str | None = None
+        if http is not None and http.url is not None:
+            tenant = await _empty_tenant_of(service, admin, http.api_key)
+            api_key = http.api_key
+        elif http is not None:
+            tenant, api_key = await service.create_tenant_with_key(
+                f"bench-{strategy}-{uuid.uuid4().hex[:12]}")
+        else:
+            tenant = await service.create_tenant(f"bench-{strategy}-{uuid.uuid4().hex[:12]}")
         for index in range(scenario.skus):
             await service.set_stock(tenant.id, scenario.sku(index), scenario.location,
                                     scenario.units, strategy=strategy,
@@ -76,20 +103,33 @@ async def run_strategy(dsn: str, scenario: Scenario, strategy: str, *,
         await asyncio.sleep(0.05)
         before = await _snapshot(dsn)
 
-        buyers_db = Database(dsn, min_size=scenario.buyers, max_size=scenario.buyers,
-                             application_name=BUYERS_APP)
-        await buyers_db.open()
         stop_watch = asyncio.Event()
         watch = asyncio.create_task(_watch_dead_tuples(dsn, stop_watch))
-        try:
-            result = await _drive(ReservationService(buyers_db), service, tenant.id,
-                                  scenario, strategy, requests, progress)
-        finally:
-            await buyers_db.close()
-            stop_watch.set()
-            peak = await watch
+        if http is None:
+            buyers_db = Database(dsn, min_size=scenario.buyers, max_size=scenario.buyers,
+                                 application_name=BUYERS_APP)
+            await buyers_db.open()
+            try:
+                result = await _drive(ReservationService(buyers_db), service, tenant.id,
+                                      scenario, strategy, requests, progress)
+            finally:
+                await buyers_db.close()
+                stop_watch.set()
+                peak = await watch
+            result.client_stats = {f"client_{k}": v
+                                   for k, v in asdict(buyers_db.stats).items()}
+        else:
+            assert api_key is not None
+            try:
+                async with _api(dsn, http, scenario.buyers) as url, \
+                        client_session(scenario.buyers) as session:
+                    result = await _drive(HttpBuyer(session, url, api_key), service, tenant.id,
+                                          scenario, strategy, requests, progress)
+            finally:
+                stop_watch.set()
+                peak = await watch
+            result.target = "http"
         result.peak_pool_dead_tuples = peak
-        result.client_stats = {f"client_{k}": v for k, v in asdict(buyers_db.stats).items()}
         await _settle_expiries(service, scenario, result)
         await _wait_backends_gone(dsn)
         result.db_before, result.db_after = before, await _settled_snapshot(dsn)
@@ -102,7 +142,34 @@ async def run_strategy(dsn: str, scenario: Scenario, strategy: str, *,
     return result
 
 
-async def _drive(buyer: ReservationService, admin: ReservationService, tenant: int,
+@asynccontextmanager
+async def _api(dsn: str, http: HttpTarget, buyers: int) -> AsyncIterator[str]:
+    """The API's base URL: the given one, or a server started here for the run."""
+    if http.url is not None:
+        yield http.url
+        return
+    async with local_service(dsn, pool_size=buyers, application_name=BUYERS_APP) as url:
+        yield url
+
+
+async def _empty_tenant_of(service: ReservationService, admin: Database,
+                           api_key: str | None) -> Any:
+    """The tenant of a running service's API key; it must have no stock yet, so that its
+    books afterwards are the run's alone."""
+    from ..domain import Tenant
+
+    tenant = await service.tenant_for_api_key(api_key or "")
+    if tenant is None:
+        raise InvalidRequest("the API key is unknown to this database (pass the service's "
+                             "--database-url)", field="api_key")
+    rows = await admin.fetch("SELECT count(*) FROM stock_bucket WHERE tenant_id = %s", (tenant,))
+    if rows[0][0]:
+        raise InvalidRequest("the API key's tenant already has stock: use a fresh tenant "
+                             "(pgreserve tenant create) for each run", field="api_key")
+    return Tenant(tenant, "api-key tenant")
+
+
+async def _drive(buyer: Buyer, admin: ReservationService, tenant: int,
                  scenario: Scenario, strategy: str, requests: list[PlannedRequest],
                  progress: Progress | None) -> RunResult:
     samples: list[Sample] = []
@@ -169,7 +236,7 @@ async def _drive(buyer: ReservationService, admin: ReservationService, tenant: i
     return result
 
 
-async def _follow_up(buyer: ReservationService, tenant: int, reservation_id: str,
+async def _follow_up(buyer: Buyer, tenant: int, reservation_id: str,
                      req: PlannedRequest, units: int, result: RunResult) -> None:
     """What happens to a granted hold: payment succeeds (claim) or fails (release)."""
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 import uuid
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
@@ -28,13 +29,15 @@ from ..domain import (
     Strategy,
     Tenant,
     Violation,
+    Webhook,
 )
-from ..errors import InvalidRequest, ReservationNotFound, UnknownStock
+from ..errors import InvalidRequest, ReservationNotFound, UnknownStock, WebhookNotFound
 from .. import apikeys
 
 Clock = Callable[[], datetime | None]
 
 SWEEP_BATCH_MAX = 500
+WEBHOOK_SECRET_PREFIX = "whsec_"
 
 
 def _db_clock() -> datetime | None:
@@ -287,6 +290,47 @@ class ReservationService:
         events = tuple(Event(int(r[0]), int(r[1]), str(r[2]), r[3], r[4]) for r in rows)
         cursor = (events[-1].xid, events[-1].event_id) if events else (xid, event_id)
         return EventPage(events, cursor)
+
+    # -- webhooks --------------------------------------------------------------
+
+    async def add_webhook(self, tenant: int, url: str) -> Webhook:
+        """Register an endpoint; it gets the tenant's events from now on, signed with the
+        returned secret (shown only here)."""
+        tenant = check.tenant_id(tenant)
+        url = check.webhook_url(url)
+        secret = WEBHOOK_SECRET_PREFIX + secrets.token_urlsafe(32)
+        doc = await self.db.call("SELECT webhook_register_v1(%s, %s, %s)",
+                                 (tenant, url, secret))
+        return Webhook(int(doc["id"]), str(doc["url"]), datetime.fromisoformat(doc["created_at"]),
+                       secret=secret)
+
+    async def webhooks(self, tenant: int) -> list[Webhook]:
+        """This tenant's endpoints with their delivery state (never their secrets)."""
+        tenant = check.tenant_id(tenant)
+        rows = await self.db.fetch(
+            "SELECT e.endpoint_id, e.url, e.created_at, d.delivered, d.attempts, d.last_error,"
+            "       d.last_attempt_at, d.last_success_at, d.next_attempt_at"
+            "  FROM webhook_endpoint e JOIN webhook_delivery d USING (tenant_id, endpoint_id)"
+            " WHERE e.tenant_id = %s ORDER BY e.endpoint_id",
+            (tenant,),
+        )
+        return [Webhook(int(r[0]), r[1], r[2], int(r[3]), int(r[4]), r[5], r[6], r[7], r[8])
+                for r in rows]
+
+    async def delete_webhook(self, tenant: int, webhook_id: int | str) -> None:
+        """Remove an endpoint and its delivery state; nothing more is sent to it."""
+        tenant = check.tenant_id(tenant)
+        try:
+            wid = int(str(webhook_id))
+        except ValueError:
+            raise WebhookNotFound(f"unknown webhook {webhook_id!r}") from None
+        if not 1 <= wid <= 2**63 - 1:
+            raise WebhookNotFound(f"unknown webhook {webhook_id!r}")
+        gone = await self.db.call(
+            "WITH d AS (DELETE FROM webhook_endpoint WHERE tenant_id = %s AND endpoint_id = %s"
+            " RETURNING 1) SELECT count(*) FROM d", (tenant, wid))
+        if not gone:
+            raise WebhookNotFound(f"unknown webhook {wid}")
 
     # -- checks ----------------------------------------------------------------
 

@@ -39,9 +39,13 @@ from .models import (
     StockAdjust,
     StockOut,
     StockSet,
+    WebhookCreated,
+    WebhookIn,
+    WebhooksOut,
     reservation_doc,
     stock_doc,
     storable,
+    webhook_doc,
 )
 from .problems import PROBLEM_MEDIA_TYPE, Problem
 
@@ -233,7 +237,8 @@ KeyHeader = Annotated[str | None, Header(
 
 def create_app(dsn: str | None = None, *, database: Database | None = None,
                pool_size: int = 10, body_limit: int = DEFAULT_BODY_LIMIT,
-               clock: Clock | None = None) -> FastAPI:
+               clock: Clock | None = None, application_name: str = "pgreserve:http",
+               pool_min_size: int = 1) -> FastAPI:
     """The API over one database: pass a DSN (the app owns its pool) or an open Database.
 
     `clock` replaces the database clock (tests move time by hand).
@@ -248,7 +253,8 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if database is None:
             assert dsn is not None
-            owned = Database(dsn, max_size=pool_size, application_name="pgreserve:http")
+            owned = Database(dsn, min_size=min(pool_min_size, pool_size), max_size=pool_size,
+                             application_name=application_name)
             await owned.open()
             app.state.service = ReservationService(owned, **extra)
             try:
@@ -443,6 +449,29 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
                         "data": e.payload} for e in page.events],
             "next_cursor": f"{page.cursor[0]}-{page.cursor[1]}",
         })
+
+    # -- webhooks ----------------------------------------------------------------
+
+    @app.post("/v1/webhooks", status_code=201, response_model=WebhookCreated, tags=["webhooks"],
+              responses=problems.responses(413, *common),
+              summary="Register a URL for this tenant's events (the secret is shown only now)")
+    async def add_webhook(body: WebhookIn, tenant: Tenant) -> Response:
+        created = await service().add_webhook(tenant, body.url)
+        return json_response(201, webhook_doc(created))
+
+    @app.get("/v1/webhooks", response_model=WebhooksOut, tags=["webhooks"],
+             responses=problems.responses(*common),
+             summary="This tenant's webhook endpoints and their delivery state")
+    async def list_webhooks(tenant: Tenant) -> Response:
+        found = await service().webhooks(tenant)
+        return json_response(200, {"webhooks": [webhook_doc(w) for w in found]})
+
+    @app.delete("/v1/webhooks/{webhook_id}", status_code=204, tags=["webhooks"],
+                response_class=Response, responses=problems.responses(404, *common),
+                summary="Remove an endpoint; nothing more is sent to it")
+    async def delete_webhook(webhook_id: Annotated[int, Path(ge=1)], tenant: Tenant) -> Response:
+        await service().delete_webhook(tenant, webhook_id)
+        return Response(status_code=204)
 
     # -- operations --------------------------------------------------------------
 

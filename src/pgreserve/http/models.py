@@ -7,7 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictStr
 
-from ..domain import MAX_LINES, MAX_NAME, MAX_QUANTITY, Reservation, StockView
+from ..domain import MAX_LINES, MAX_NAME, MAX_QUANTITY, Reservation, StockView, Webhook
+from ..validation import URL_PATTERN
 
 MAX_TTL_SECONDS = 24 * 3600
 MAX_COUNT = 2**53  # the largest integer every JSON client represents exactly
@@ -76,6 +77,13 @@ class ExtendIn(Strict):
     ttl_seconds: TtlSeconds
 
 
+class WebhookIn(Strict):
+    """An http:// or https:// URL that will receive this tenant's events."""
+
+    url: Annotated[StrictStr, Field(min_length=1, max_length=2000, pattern=URL_PATTERN),
+                   AfterValidator(storable)]
+
+
 # -- responses -------------------------------------------------------------------
 
 class StockOut(BaseModel):
@@ -116,6 +124,26 @@ class EventsOut(BaseModel):
     next_cursor: str
 
 
+class WebhookOut(BaseModel):
+    id: int
+    url: str
+    created_at: str
+    delivered: int
+    attempts: int
+    last_error: str | None
+    last_attempt_at: str | None
+    last_success_at: str | None
+    next_attempt_at: str | None
+
+
+class WebhookCreated(WebhookOut):
+    secret: str
+
+
+class WebhooksOut(BaseModel):
+    webhooks: list[WebhookOut]
+
+
 class Health(BaseModel):
     status: Literal["ok"]
 
@@ -141,3 +169,18 @@ def reservation_doc(r: Reservation) -> dict[str, Any]:
         "lines": [{"sku": x.sku, "location": x.location, "quantity": x.quantity}
                   for x in r.lines],
     }
+
+
+def webhook_doc(w: Webhook) -> dict[str, Any]:
+    def ts(value: Any) -> str | None:
+        return None if value is None else value.isoformat()
+
+    doc: dict[str, Any] = {
+        "id": w.id, "url": w.url, "created_at": ts(w.created_at), "delivered": w.delivered,
+        "attempts": w.attempts, "last_error": w.last_error,
+        "last_attempt_at": ts(w.last_attempt_at), "last_success_at": ts(w.last_success_at),
+        "next_attempt_at": ts(w.next_attempt_at),
+    }
+    if w.secret is not None:
+        doc["secret"] = w.secret
+    return doc

@@ -63,6 +63,7 @@ STATUS: dict[type[errors.PgReserveError], tuple[int, str]] = {
     errors.UnknownTenant: (401, "Unauthorized"),
     errors.UnknownStock: (404, "Unknown stock"),
     errors.ReservationNotFound: (404, "Reservation not found"),
+    errors.WebhookNotFound: (404, "Webhook not found"),
     errors.IdempotencyKeyReused: (422, "Idempotency-Key reused with another request"),
     errors.WouldOversell: (409, "Adjustment would oversell"),
     errors.ReservationReleased: (409, "Reservation was released"),
@@ -177,7 +178,7 @@ def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 _DESCRIPTIONS = {
     400: "Bad request (idempotency_key_missing)",
     401: "Missing or unknown API key (unauthorized)",
-    404: "Not found (unknown_stock, reservation_not_found)",
+    404: "Not found (unknown_stock, reservation_not_found, webhook_not_found)",
     409: "Conflict with the current state",
     413: "Request body too large",
     422: "Invalid request (invalid_request, idempotency_key_reused)",

@@ -1,0 +1,239 @@
+"""The webhook deliverer: POSTs each tenant's events to its registered endpoints.
+
+At least once, in feed order per endpoint: event N+1 is sent only after N was
+acknowledged with a 2xx. A failure is recorded on the endpoint's cursor row
+(attempts, last error) and the endpoint is tried again after a capped
+exponential backoff. Each endpoint is claimed with FOR UPDATE SKIP LOCKED and
+leased for `lease_s`; the HTTP request goes out with no transaction open and a
+timeout shorter than the lease, so several copies of this worker never send to
+one endpoint at once, and a dead endpoint holds up nothing but itself.
+
+Every request is signed: header `Pgreserve-Signature: t=<unix seconds>,v1=<hex>`
+where v1 = HMAC-SHA256(secret, f"{t}." + body) (see `verify`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import aiohttp
+
+from ..core.service import ReservationService
+from ..domain import Event
+from .base import LoopConfig
+
+log = logging.getLogger(__name__)
+
+SIGNATURE_HEADER = "Pgreserve-Signature"
+USER_AGENT = "pgreserve-webhooks/1"
+
+
+def sign(secret: str, timestamp: int, body: bytes) -> str:
+    """The signature header value for `body` sent at `timestamp` (unix seconds)."""
+    mac = hmac.new(secret.encode("utf-8"), f"{timestamp}.".encode() + body, hashlib.sha256)
+    return f"t={timestamp},v1={mac.hexdigest()}"
+
+
+def verify(secret: str, header: str, body: bytes, *, tolerance_s: float = 300.0,
+           now: float | None = None) -> bool:
+    """True when `header` is a valid signature of `body` made within `tolerance_s`."""
+    parts = dict(p.split("=", 1) for p in header.split(",") if "=" in p)
+    try:
+        timestamp = int(parts["t"])
+    except (KeyError, ValueError):
+        return False
+    if abs((time.time() if now is None else now) - timestamp) > tolerance_s:
+        return False
+    expected = sign(secret, timestamp, body).split("v1=", 1)[1]
+    return hmac.compare_digest(expected, parts.get("v1", ""))
+
+
+def event_body(event: Event) -> bytes:
+    """The JSON body of one delivery: the same shape as an item of GET /v1/events."""
+    doc = {"id": event.event_id, "type": event.type,
+           "created_at": event.created_at.isoformat(), "data": event.payload}
+    return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+@dataclass(frozen=True)
+class WebhookConfig:
+    timeout_s: float = 10.0  # one HTTP request, connect to last byte
+    lease_s: float = 60.0  # how long a claimed endpoint stays with this worker
+    backoff_base_s: float = 1.0  # first retry after ~this, doubling per failed attempt
+    backoff_cap_s: float = 600.0
+    idle_poll_s: float = 1.0  # an endpoint with nothing to send is looked at again after this
+    concurrency: int = 16  # endpoints one worker delivers to at the same time
+    events_per_claim: int = 100  # then the endpoint goes back in the queue
+    loop: LoopConfig = field(default_factory=lambda: LoopConfig(interval_s=0.5))
+
+    def __post_init__(self) -> None:
+        if not 0.05 <= self.timeout_s <= 300:
+            raise ValueError("timeout_s must be between 0.05 and 300 seconds")
+        if self.lease_s < 2 * self.timeout_s + 1:
+            raise ValueError("lease_s must be at least 2 x timeout_s + 1 second")
+        if not 0.001 <= self.backoff_base_s <= self.backoff_cap_s <= 86_400:
+            raise ValueError("need 0.001 <= backoff_base_s <= backoff_cap_s <= 86400")
+        if not 0.001 <= self.idle_poll_s <= 3600:
+            raise ValueError("idle_poll_s must be between 0.001 and 3600 seconds")
+        if not 1 <= self.concurrency <= 1000:
+            raise ValueError("concurrency must be between 1 and 1000")
+        if not 1 <= self.events_per_claim <= 10_000:
+            raise ValueError("events_per_claim must be between 1 and 10000")
+
+
+@dataclass(frozen=True)
+class Claim:
+    tenant: int
+    endpoint: int
+    token: str
+    cursor: tuple[int, int]
+    url: str
+    secret: str
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Claim:
+        return cls(int(doc["tenant"]), int(doc["endpoint"]), str(doc["token"]),
+                   (int(doc["xid"]), int(doc["event_id"])), str(doc["url"]), str(doc["secret"]))
+
+
+class WebhookDeliverer:
+    name = "webhooks"
+
+    def __init__(self, service: ReservationService, config: WebhookConfig | None = None) -> None:
+        self.service = service
+        self.config = config or WebhookConfig()
+        self.loop_config = self.config.loop
+        self.delivered = 0
+        self.failed_attempts = 0
+        self._session: aiohttp.ClientSession | None = None
+        self._inflight: dict[asyncio.Task[int], Claim] = {}
+
+    async def run_once(self) -> int:
+        """Start deliveries to due endpoints, collect finished ones; return events delivered
+        plus endpoints claimed (0 = nothing due and nothing finished)."""
+        done = self._reap()
+        claimed: list[Claim] = []
+        free = self.config.concurrency - len(self._inflight)
+        if free > 0:
+            claimed = await self._claim(free)
+            for claim in claimed:
+                task = asyncio.create_task(self._deliver(claim))
+                self._inflight[task] = claim
+        if not claimed and done == 0 and self._inflight:
+            await asyncio.wait(list(self._inflight), timeout=self.loop_config.interval_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+            done += self._reap()
+        return done + len(claimed)
+
+    async def aclose(self) -> None:
+        """Stop in-flight deliveries (their events are sent again later) and hand back leases."""
+        claims = list(self._inflight.values())
+        for task in self._inflight:
+            task.cancel()
+        await asyncio.gather(*self._inflight, return_exceptions=True)
+        self._inflight.clear()
+        for claim in claims:
+            try:
+                await self._release(claim, 0.0)
+            except Exception:
+                log.warning("webhooks: could not hand back the lease of endpoint %s",
+                            claim.endpoint)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # -- internals ---------------------------------------------------------------
+
+    def _reap(self) -> int:
+        total = 0
+        for task in [t for t in self._inflight if t.done()]:
+            claim = self._inflight.pop(task)
+            if task.cancelled():
+                continue
+            exc = task.exception()
+            if exc is not None:
+                log.error("webhooks: delivery to endpoint %s failed: %r", claim.endpoint, exc)
+                continue
+            total += task.result()
+        return total
+
+    async def _claim(self, limit: int) -> list[Claim]:
+        docs = await self.service.db.call("SELECT webhook_claim_v1(%s, %s)",
+                                          (limit, timedelta(seconds=self.config.lease_s)))
+        return [Claim.from_json(d) for d in docs]
+
+    async def _release(self, claim: Claim, after_s: float) -> None:
+        await self.service.db.call("SELECT webhook_release_v1(%s, %s, %s, %s)",
+                                   (claim.tenant, claim.endpoint, claim.token,
+                                    timedelta(seconds=after_s)))
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.config.timeout_s),
+                headers={"User-Agent": USER_AGENT}, trust_env=False)
+        return self._session
+
+    async def _deliver(self, claim: Claim) -> int:
+        """Send this endpoint's events after its cursor, one at a time; return how many."""
+        cfg = self.config
+        lease = timedelta(seconds=cfg.lease_s)
+        cursor = claim.cursor
+        sent = 0
+        while sent < cfg.events_per_claim:
+            page = await self.service.events(claim.tenant, after=cursor,
+                                             limit=min(100, cfg.events_per_claim - sent))
+            if not page.events:
+                await self._release(claim, cfg.idle_poll_s)
+                return sent
+            for event in page.events:
+                error = await self._post(claim, event)
+                if error is not None:
+                    self.failed_attempts += 1
+                    attempts = await self.service.db.call(
+                        "SELECT webhook_fail_v1(%s, %s, %s, %s, %s, %s)",
+                        (claim.tenant, claim.endpoint, claim.token, error,
+                         timedelta(seconds=cfg.backoff_base_s),
+                         timedelta(seconds=cfg.backoff_cap_s)))
+                    log.info("webhooks: endpoint %s, event %s: %s (attempt %s)",
+                             claim.endpoint, event.event_id, error, attempts)
+                    return sent
+                kept = await self.service.db.call(
+                    "SELECT webhook_advance_v1(%s, %s, %s, %s, %s, %s)",
+                    (claim.tenant, claim.endpoint, claim.token, event.xid, event.event_id,
+                     lease))
+                sent += 1
+                self.delivered += 1
+                if not kept:  # lease lost (endpoint deleted, or the lease ran out)
+                    return sent
+                cursor = (event.xid, event.event_id)
+        await self._release(claim, 0.0)  # more may be waiting: due again at once
+        return sent
+
+    async def _post(self, claim: Claim, event: Event) -> str | None:
+        """POST one event; None on a 2xx, else what went wrong."""
+        body = event_body(event)
+        headers = {
+            "Content-Type": "application/json",
+            SIGNATURE_HEADER: sign(claim.secret, int(time.time()), body),
+            "Pgreserve-Event-Id": str(event.event_id),
+            "Pgreserve-Event-Type": event.type,
+        }
+        try:
+            async with self._client().post(claim.url, data=body, headers=headers,
+                                           allow_redirects=False) as response:
+                if 200 <= response.status < 300:
+                    return None
+                return f"HTTP {response.status}"
+        except TimeoutError:
+            return f"timed out after {self.config.timeout_s:g} s"
+        except aiohttp.ClientError as exc:
+            return f"{type(exc).__name__}: {exc}"[:1000]
