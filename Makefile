@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test clean
+.PHONY: run test soak clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found; set PYTHON=python3"; exit 1; }
@@ -18,6 +18,19 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/pytest
+
+# The fault-injection suite for SECONDS seconds of load (default 600); the
+# report's last line is "soak: N operations, N faults injected, ...".
+SECONDS ?= 600
+SOAK_REPORT := .pgreserve/soak-report.txt
+soak: $(STAMP)
+	@mkdir -p .pgreserve && rm -f $(SOAK_REPORT)
+	@status=0; PGRESERVE_SOAK_SECONDS=$(SECONDS) PGRESERVE_SOAK_REPORT=$(SOAK_REPORT) \
+	  $(BIN)/pytest -q -p no:cacheprovider -p no:logging -m faults tests/faults \
+	  >.pgreserve/soak-pytest.log 2>&1 || status=$$?; \
+	  tail -n 3 .pgreserve/soak-pytest.log; \
+	  cat $(SOAK_REPORT) 2>/dev/null || echo "soak: no report (see .pgreserve/soak-pytest.log)"; \
+	  exit $$status
 
 clean:
 	rm -rf $(VENV) .pgreserve .pytest_cache

