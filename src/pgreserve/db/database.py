@@ -120,7 +120,7 @@ class Database:
                     self.stats.busy += 1
                     raise errors.Busy(f"database busy: {exc.diag.message_primary}",
                                       sqlstate=state) from exc
-                lost = isinstance(exc, psycopg.OperationalError) and not state
+                lost = _connection_lost(exc, state)
                 if state in _RETRY_WHOLE or lost:
                     if state == "40P01":
                         self.stats.deadlocks_retried += 1
@@ -178,6 +178,15 @@ class Database:
         async with self.pool.connection() as conn:
             cur = await conn.execute(sql, params)
             return await cur.fetchall()
+
+
+def _connection_lost(exc: psycopg.errors.Error, state: str) -> bool:
+    """The connection went away: the server was shut down or the backend was
+    terminated (57P01-57P03), a connection exception (class 08), or a dead
+    socket (no SQLSTATE at all). The outcome of an in-flight COMMIT is unknown."""
+    if state:
+        return state in {"57P01", "57P02", "57P03"} or state.startswith("08")
+    return isinstance(exc, psycopg.OperationalError)
 
 
 def _typed(exc: psycopg.errors.Error, state: str) -> errors.PgReserveError:
