@@ -119,3 +119,12 @@ async def test_bad_extend_bodies_are_422(api: ApiTenant) -> None:
                  {"ttl_seconds": 5, "x": 1}]:
         assert_problem(await api.client.post(f"/v1/reservations/{rid}/extend", json=body),
                        422, "invalid_request")
+
+
+async def test_unknown_query_parameter_is_refused(api: ApiTenant) -> None:
+    """A misspelt query parameter is a 422, not silently ignored."""
+    resp = await api.client.get("/v1/events?afetr=1-1")
+    assert resp.status_code == 422 and resp.json()["code"] == "invalid_request"
+    assert "afetr" in resp.json()["detail"]
+    ok = await api.client.get("/v1/events?limit=5")
+    assert ok.status_code == 200

@@ -82,3 +82,28 @@ def duplicate_lines(body: Any) -> bool:
         return False
     pairs = [repr((x.get("sku"), x.get("location"))) for x in body["lines"] if isinstance(x, dict)]
     return len(set(pairs)) < len(pairs)
+
+
+def test_stateful_links_create_then_claim_release_get(
+        served: tuple[Any, dict[str, str]]) -> None:
+    """Chains along the schema's links (create -> get/claim/release/extend) never get a 5xx and match the schema."""
+    base_url, headers = served
+
+    class Workflow(schema.as_state_machine()):  # type: ignore[misc]
+        def get_call_kwargs(self, case: schemathesis.Case) -> dict[str, Any]:
+            return {"base_url": base_url, "headers": headers}
+
+        def validate_response(self, response: Any, case: schemathesis.Case,
+                              additional_checks: Any = None, **kwargs: Any) -> None:
+            excluded = []
+            if duplicate_lines(case.body):
+                excluded.append(schemathesis.checks.positive_data_acceptance)
+            case.validate_response(response, additional_checks=additional_checks,
+                                   excluded_checks=excluded)
+
+    links = {name for name in OPENAPI["paths"]["/v1/reservations"]["post"]["responses"]["201"]
+             ["links"]}
+    assert links == {"GetReservation", "ClaimReservation", "ReleaseReservation",
+                     "ExtendReservation"}
+    Workflow.run(settings=settings(max_examples=12, stateful_step_count=6, deadline=None,
+                                   derandomize=True, suppress_health_check=list(HealthCheck)))

@@ -130,6 +130,26 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
+async def known_query_only(request: Request) -> None:
+    """Refuse query parameters the route does not declare.
+
+    A misspelt parameter (`afetr=` for `after=`) would otherwise be ignored and
+    the request answered as if it had not been sent: the feed from the start.
+    """
+    route = request.scope.get("route")
+    if not isinstance(route, APIRoute):
+        return
+    known: set[str] = set()
+    pending = [route.dependant]
+    while pending:
+        dependant = pending.pop()
+        known.update(param.alias for param in dependant.query_params)
+        pending.extend(dependant.dependencies)
+    unknown = sorted(set(request.query_params) - known)
+    if unknown:
+        raise errors.InvalidRequest(f"unknown query parameters: {unknown}", field="query")
+
+
 class CountRequests:
     """Count every response by method, route template and status."""
 
@@ -276,6 +296,7 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
         version="1",
         summary="Inventory reservations (holds, claims, releases, expiry) that never oversell.",
         lifespan=lifespan,
+        dependencies=[Depends(known_query_only)],
     )
     common = (401, 422, 503)
 
@@ -520,6 +541,20 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
                         param["schema"] = {"type": "string", "minLength": 1, "maxLength": 200,
                                            "pattern": r"^\S(.*\S)?$"}
                         param["required"] = (method, path) in KEYED_REQUIRED
+        # Links: what a client (and a stateful test) can do with a reservation
+        # it has just created.
+        created = schema["paths"]["/v1/reservations"]["post"]["responses"]["201"]
+        by_id = {"reservation_id": "$response.body#/id"}
+        created["links"] = {
+            name: {"operationId": schema["paths"][target][verb]["operationId"],
+                   "parameters": by_id}
+            for name, target, verb in (
+                ("GetReservation", "/v1/reservations/{reservation_id}", "get"),
+                ("ClaimReservation", "/v1/reservations/{reservation_id}/claim", "post"),
+                ("ReleaseReservation", "/v1/reservations/{reservation_id}/release", "post"),
+                ("ExtendReservation", "/v1/reservations/{reservation_id}/extend", "post"),
+            )
+        }
         app.openapi_schema = schema
         return schema
 

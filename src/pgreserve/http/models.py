@@ -39,8 +39,12 @@ def integer(value: Any) -> int:
 def Int(low: int, high: int) -> Any:
     """An integer in [low, high]; bool is an int in Python, the validator keeps it out."""
     return Annotated[int, Field(ge=low, le=high), BeforeValidator(integer)]
-Name = Annotated[StrictStr, Field(min_length=1, max_length=MAX_NAME), AfterValidator(storable)]
-Reason = Annotated[StrictStr, Field(max_length=MAX_NAME), AfterValidator(storable)]
+# The pattern puts "no NUL" into the published schema too (PostgreSQL text
+# cannot hold it); storable() also refuses lone surrogates.
+Name = Annotated[StrictStr, Field(min_length=1, max_length=MAX_NAME, pattern=r"^[^\x00]+$"),
+                 AfterValidator(storable)]
+Reason = Annotated[StrictStr, Field(max_length=MAX_NAME, pattern=r"^[^\x00]*$"),
+                   AfterValidator(storable)]
 TtlSeconds = Int(1, MAX_TTL_SECONDS)
 
 
