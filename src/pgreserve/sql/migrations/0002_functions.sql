@@ -720,6 +720,8 @@ CREATE FUNCTION bucket_lock_exclusive_v1(p_tenant bigint, p_bucket bigint,
 LANGUAGE plpgsql AS $$
 DECLARE
     v_drained bigint;
+    v_batch bigint;
+    v_round integer;
 BEGIN
     PERFORM 1 FROM reservation_line
     WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND held
@@ -727,11 +729,25 @@ BEGIN
     FOR UPDATE;
     PERFORM 1 FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
     FOR UPDATE;
-    WITH drained AS (
-        DELETE FROM stock_unit WHERE tenant_id = p_tenant AND bucket_id = p_bucket
-        RETURNING 1
-    )
-    SELECT count(*) INTO v_drained FROM drained;
+    -- Drain until a DELETE finds nothing. A DELETE waits for buyers holding
+    -- units it saw, but a buyer whose take came up short gives its units back
+    -- as new rows, which that DELETE cannot see; the next statement can.
+    -- Nothing else can add units now: refills need the bucket row, releases
+    -- need a held line. A buyer that keeps racing the drain is answered Busy.
+    v_drained := 0;
+    FOR v_round IN 1 .. 50 LOOP
+        WITH drained AS (
+            DELETE FROM stock_unit WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+            RETURNING 1
+        )
+        SELECT count(*) INTO v_batch FROM drained;
+        v_drained := v_drained + v_batch;
+        EXIT WHEN v_batch = 0;
+        IF v_round = 50 THEN
+            RAISE EXCEPTION 'the pool of bucket % kept refilling while it was drained', p_bucket
+                USING ERRCODE = 'lock_not_available';
+        END IF;
+    END LOOP;
     UPDATE stock_bucket SET free = free + v_drained
     WHERE tenant_id = p_tenant AND bucket_id = p_bucket
     RETURNING * INTO o_bucket;
