@@ -43,3 +43,26 @@ async def test_api_transactions_go_through_pgbouncer(api: ApiTenant, dsn: str, v
             await asyncio.sleep(0.2)
     else:
         assert bouncer_stats(pgbouncer, name).get("total_xact_count", 0) == before
+
+
+async def test_role_pools_keep_their_application_name_through_pgbouncer(
+        dsn: str, pgbouncer: PgBouncer) -> None:
+    """Through PgBouncer a role pool's transactions run on server connections carrying
+    its application_name (a startup parameter PgBouncer applies per client)."""
+    from pgreserve import Database, ReservationService
+
+    name = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
+    async with Database(pgbouncer.dsn(name), role_pools=True, prepare_threshold=None) as db:
+        svc = ReservationService(db)
+        tenant = await svc.create_tenant("acme")
+        await svc.set_stock(tenant.id, "s", "wh", 5)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE seen (app text)")
+            conn.execute("CREATE FUNCTION note() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN"
+                         " INSERT INTO seen VALUES (current_setting('application_name'));"
+                         " RETURN NEW; END $$")
+            conn.execute("CREATE TRIGGER note AFTER INSERT ON reservation"
+                         " FOR EACH ROW EXECUTE FUNCTION note()")
+        assert (await svc.reserve(tenant.id, "k", [("s", "wh", 1)])).held
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            assert conn.execute("SELECT app FROM seen").fetchall() == [("pgreserve:reserve",)]
