@@ -21,6 +21,7 @@ from pgreserve.db.embedded import EmbeddedServer
 if TYPE_CHECKING:
     import httpx
     from fastapi import FastAPI
+    from pgbouncer import PgBouncer
 
 TEMPLATE = "pgreserve_template"
 _counter = itertools.count()
@@ -99,11 +100,50 @@ class ApiTenant:
         self.client = client
 
 
+@pytest.fixture(scope="session")
+def pgbouncer(pg_server: EmbeddedServer) -> Iterator["PgBouncer"]:
+    """A real PgBouncer (transaction pooling) in front of the session's server."""
+    from pgbouncer import PgBouncer
+
+    if shutil.which("pgbouncer") is None and not Path("/usr/sbin/pgbouncer").exists():
+        pytest.skip("pgbouncer is not installed (Debian package pgbouncer; .ci/run installs it)")
+    bouncer = PgBouncer(pg_server).start()
+    yield bouncer
+    bouncer.stop()
+
+
+@pytest.fixture(params=["direct", "pgbouncer"])
+def via(request: pytest.FixtureRequest) -> str:
+    """How the API reaches PostgreSQL: directly, or through PgBouncer."""
+    return str(request.param)
+
+
+@pytest.fixture
+def api_dsn(dsn: str, via: str, request: pytest.FixtureRequest) -> tuple[str, int | None]:
+    """The DSN and prepare_threshold the API uses: direct, or through PgBouncer."""
+    if via == "direct":
+        return dsn, 5
+    bouncer = request.getfixturevalue("pgbouncer")
+    return bouncer.dsn(psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]), None
+
+
 @pytest_asyncio.fixture
-async def app(db: Database) -> "FastAPI":
+async def api_db(db: Database, via: str,
+                 api_dsn: tuple[str, int | None]) -> AsyncIterator[Database]:
+    """The API's database: the test's own pool, or one through PgBouncer with prepared
+    statements off (PgBouncer < 1.21 cannot route them in transaction mode)."""
+    if via == "direct":
+        yield db
+        return
+    async with Database(api_dsn[0], max_size=16, prepare_threshold=api_dsn[1]) as through:
+        yield through
+
+
+@pytest_asyncio.fixture
+async def app(api_db: Database) -> "FastAPI":
     from pgreserve.http import create_app
 
-    return create_app(database=db)
+    return create_app(database=api_db)
 
 
 @pytest_asyncio.fixture

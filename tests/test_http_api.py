@@ -119,10 +119,10 @@ async def test_extend_active_reservation(api: ApiTenant) -> None:
 
 
 async def test_claim_of_expired_reservation_whose_stock_is_gone(
-        api: ApiTenant, db: Database) -> None:
+        api: ApiTenant, api_db: Database) -> None:
     """An expired hold whose units were sold to someone else is 409 reservation_expired."""
     clock = Clock()
-    timed = create_app(database=db, clock=clock)
+    timed = create_app(database=api_db, clock=clock)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=timed), base_url="http://t",
                                  headers={"Authorization": f"Bearer {api.key}"}) as client:
         timed_api = ApiTenant(api.tenant, api.key, client)

@@ -125,12 +125,13 @@ async def test_concurrent_same_key_in_one_process(api: ApiTenant, dsn: str) -> N
     assert final.content == ok[0].content
 
 
-async def test_concurrent_same_key_across_processes(api: ApiTenant, dsn: str) -> None:
+async def test_concurrent_same_key_across_processes(api: ApiTenant, dsn: str,
+                                                    api_dsn: tuple[str, int | None]) -> None:
     """Two app instances (like two server processes) racing one key both answer the stored 201."""
     await put_stock(api, "s", 50)
     clients = []
     for _ in range(4):
-        database = await Database(dsn, max_size=2).open()
+        database = await Database(api_dsn[0], max_size=2, prepare_threshold=api_dsn[1]).open()
         app = create_app(database=database)
         clients.append((database, httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://t",

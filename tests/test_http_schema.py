@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -22,9 +23,9 @@ from test_cli_up import free_port
 class Served:
     """The real app on uvicorn in a background thread with its own event loop."""
 
-    def __init__(self, dsn: str) -> None:
+    def __init__(self, dsn: str, prepare_threshold: int | None = 5) -> None:
         self.port = free_port()
-        self.server = ApiServer(dsn, "127.0.0.1", self.port)
+        self.server = ApiServer(dsn, "127.0.0.1", self.port, prepare_threshold=prepare_threshold)
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve()),
                                        daemon=True)
 
@@ -42,15 +43,16 @@ class Served:
 
 
 @pytest.fixture
-def served(dsn: str) -> Iterator[tuple[Any, dict[str, str]]]:
-    """A running server on a fresh database with one tenant holding some stock."""
+def served(dsn: str, api_dsn: tuple[str, int | None]) -> Iterator[tuple[Any, dict[str, str]]]:
+    """A running server (direct or through PgBouncer) on a fresh database with one tenant
+    holding some stock."""
     key = apikeys.new_key()
     with psycopg.connect(dsn, autocommit=True) as conn:
         tenant = conn.execute("SELECT tenant_create_v1('acme', %s)",
                               (apikeys.hash_key(key),)).fetchone()[0]  # type: ignore[index]
         conn.execute("SELECT stock_set_v1(%s, 'sku-1', 'wh', 100, NULL, false, NULL, NULL)",
                      (tenant,))
-    with Served(dsn) as srv:
+    with Served(*api_dsn) as srv:
         base_url = f"http://127.0.0.1:{srv.port}"
         served_schema = httpx.get(f"{base_url}/openapi.json").json()
         assert served_schema == OPENAPI, "the served schema is the one tested"
@@ -60,7 +62,8 @@ def served(dsn: str) -> Iterator[tuple[Any, dict[str, str]]]:
 # The schema is the app's own, built without a database; the test checks the
 # server serves exactly this document.
 OPENAPI = create_app("postgresql:///unused").openapi()
-schema = schemathesis.openapi.from_dict(OPENAPI)
+# schemathesis resolves references in the dict it is given: hand it a copy.
+schema = schemathesis.openapi.from_dict(copy.deepcopy(OPENAPI))
 
 
 @schema.parametrize()

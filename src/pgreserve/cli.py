@@ -264,6 +264,13 @@ def serve(database_url: str | None, data_dir: str | None, host: str, port: int,
             import uvicorn
 
             os.environ["PGRESERVE_DATABASE_URL"] = dsn
+            # prometheus_client multiprocess mode: each worker writes its values
+            # to files in this directory and /metrics aggregates them.
+            if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+                import tempfile
+
+                os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(
+                    prefix="pgreserve-metrics-")
             console.print(f"pgreserve API on http://{host}:{port} ({processes} processes)")
             uvicorn.run("pgreserve.http.app:app_from_env", factory=True, host=host, port=port,
                         workers=processes, log_level="warning")
@@ -282,7 +289,10 @@ async def _run(dsn: str, *, http: tuple[str, int] | None, workers: bool,
     tasks: list[asyncio.Task[None]] = []
     deliverer: WebhookDeliverer | None = None
     server = None
-    async with Database(dsn, max_size=5, application_name="pgreserve:workers") as database:
+    # The workers' statements run on pools of their own business process
+    # (pgreserve:sweeper, :replenisher, :janitor, :webhooks).
+    async with Database(dsn, max_size=5, application_name="pgreserve:workers",
+                        role_pools=True, role_max_size=2) as database:
         service = ReservationService(database)
         if workers:
             keep = timedelta(hours=key_retention_hours)
@@ -293,7 +303,7 @@ async def _run(dsn: str, *, http: tuple[str, int] | None, workers: bool,
         if http is not None:
             from .http.server import ApiServer
 
-            server = ApiServer(dsn, *http)
+            server = ApiServer(dsn, *http, monitor=True)
             tasks.append(asyncio.create_task(server.serve()))
             await server.wait_started(stop)
             if announce and server.started:
@@ -321,6 +331,143 @@ async def _run(dsn: str, *, http: tuple[str, int] | None, workers: bool,
                                    if http else "the HTTP server could not start")
     if failed:
         raise failed[0]
+
+
+@main.command()
+@with_db
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--pool-size", default=10, show_default=True, type=click.IntRange(1, 1000),
+              help="Connections per business-process pool (PGRESERVE_POOL_SIZE).")
+@click.option("--processes", default=1, show_default=True, type=click.IntRange(1, 256),
+              help="API processes that will connect (serve --workers).")
+def doctor(database_url: str | None, data_dir: str | None, as_json: bool, pool_size: int,
+           processes: int) -> None:
+    """Check the database's settings against what pgreserve needs; print each fix.
+
+    Reports what the server has (never what pgreserve would set); exit code 1
+    when a check fails."""
+    from .ops import doctor as doc
+
+    with _dsn(database_url, data_dir) as dsn:
+        findings = doc.diagnose(dsn, pool_size=pool_size, processes=processes)
+    if as_json:
+        click.echo(json.dumps(doc.as_json(findings), indent=2))
+    else:
+        for f in findings:
+            mark = {"ok": "[green]ok  [/]", "warn": "[yellow]warn[/]", "fail": "[red]FAIL[/]"}
+            Console(soft_wrap=True).print(f"{mark[f.status]} {f.check}: found {f.found}"
+                                          f" (want {f.want})", highlight=False)
+            if f.status != "ok":
+                click.echo(f"      fix: {f.fix}")
+    if doc.failed(findings):
+        sys.exit(1)
+
+
+@main.command()
+@with_db
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--tenant", "tenant_id", type=int, default=None, help="Only this tenant id.")
+@click.option("--grace-seconds", default=60.0, show_default=True, type=click.FloatRange(0),
+              help="An active reservation this long past its expiry is a drift.")
+@click.option("--repair", is_flag=True,
+              help="Repair the drifts that have a safe repair (overdue holds are expired "
+                   "through the sweeper's own function); each repair is logged.")
+def reconcile(database_url: str | None, data_dir: str | None, as_json: bool,
+              tenant_id: int | None, grace_seconds: float, repair: bool) -> None:
+    """Prove the stock accounting per bucket; exit code 1 on any drift."""
+    from .ops.reconcile import reconcile as run
+
+    with _dsn(database_url, data_dir) as dsn:
+        result = run(dsn, tenant=tenant_id, grace_s=grace_seconds, repair=repair)
+    if as_json:
+        click.echo(json.dumps(result.as_json(), indent=2, default=str))
+    else:
+        click.echo(f"{'tenant':>6} {'sku@location':<30} {'on_hand':>8} {'free':>8} {'pool':>8}"
+                   f" {'held':>8} {'active':>8} {'claimed':>8} {'restored':>8} {'ledger':>8}")
+        for b in result.books:
+            click.echo(f"{b.tenant_id:>6} {(b.sku + '@' + b.location)[:30]:<30} {b.on_hand:>8}"
+                       f" {b.free:>8} {b.pool:>8} {b.held:>8} {b.active_held:>8}"
+                       f" {b.claimed:>8} {b.restored:>8} {b.ledger_on_hand:>8}")
+        for msg in result.repaired:
+            click.echo(f"repaired: {msg}")
+        for d in result.drifts:
+            where = f" {d.bucket}" if d.bucket else ""
+            click.echo(f"DRIFT {d.kind} tenant {d.tenant_id}{where}: {d.detail}"
+                       + ("  (--repair can fix this)" if d.repairable else ""))
+        if not result.drifts:
+            click.echo("no drift")
+    if result.drifts:
+        sys.exit(1)
+
+
+@main.group()
+def ops() -> None:
+    """Live views: hold time per caller, pool bloat."""
+
+
+@ops.command("holdtime")
+@with_db
+@click.option("--seconds", default=10.0, show_default=True, type=click.FloatRange(1, 86400),
+              help="Sample for this long (once a second), then print.")
+@click.option("--all-databases", is_flag=True, help="Every database, not only this one.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def ops_holdtime(database_url: str | None, data_dir: str | None, seconds: float,
+                 all_databases: bool, as_json: bool) -> None:
+    """Connection-seconds per caller (application_name) and state, the oldest transaction
+    and the sessions idle in transaction, sampled from pg_stat_activity."""
+    from .ops.sampler import HoldTimeSampler, SamplerConfig
+
+    async def go(dsn: str) -> Any:
+        sampler = HoldTimeSampler(dsn, SamplerConfig(all_databases=all_databases))
+        try:
+            for _ in range(max(1, int(seconds))):
+                await sampler.sample()
+                await asyncio.sleep(sampler.loop_config.interval_s)
+        finally:
+            await sampler.close()
+        return sampler.report
+
+    with _dsn(database_url, data_dir) as dsn:
+        report = asyncio.run(go(dsn))
+    doc = report.as_json()
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+        return
+    click.echo(f"{'application_name':<32} {'state':<28} {'conn-s':>9} {'now':>5}")
+    for row in doc["connection_seconds"]:
+        click.echo(f"{row['application_name'][:32]:<32} {row['state'][:28]:<28}"
+                   f" {row['seconds']:>9.1f} {row['backends_now']:>5}")
+    o = doc["oldest_xact"]
+    click.echo(f"oldest transaction: {o['seconds']:.1f}s ({o['application_name']}, pid {o['pid']})")
+    for s in doc["idle_in_transaction"]:
+        click.echo(f"idle in transaction: pid {s['pid']} {s['application_name']}"
+                   f" for {s['idle_seconds']:.1f}s")
+
+
+@ops.command("bloat")
+@with_db
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def ops_bloat(database_url: str | None, data_dir: str | None, as_json: bool) -> None:
+    """Live and dead tuples, % dead and last autovacuum of every pool partition."""
+    from .ops.bloat import BloatMonitor
+
+    async def go(dsn: str) -> Any:
+        monitor = BloatMonitor(dsn)
+        try:
+            return await monitor.check()
+        finally:
+            await monitor.close()
+
+    with _dsn(database_url, data_dir) as dsn:
+        report = asyncio.run(go(dsn))
+    if as_json:
+        click.echo(json.dumps(report.as_json(), indent=2))
+        return
+    click.echo(f"age(datfrozenxid) {report.xid_age}; pgstattuple "
+               f"{'on' if report.pgstattuple else 'unavailable'}")
+    for p in report.partitions:
+        click.echo(f"{p.name:<14} live {p.live:>9} dead {p.dead:>9} {p.dead_pct:6.1f}% dead"
+                   f"  last autovacuum {p.last_autovacuum or '-'}")
 
 
 from .bench.cli import bench  # noqa: E402  (the bench group imports the core, not the CLI)

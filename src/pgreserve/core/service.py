@@ -14,10 +14,11 @@ import secrets
 import uuid
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Protocol
+from time import perf_counter
 
 from .. import validation as check
-from ..db.database import Database
+from ..db.database import Database, Op
 from ..domain import (
     DEFAULT_TTL,
     Event,
@@ -38,6 +39,35 @@ Clock = Callable[[], datetime | None]
 
 SWEEP_BATCH_MAX = 500
 WEBHOOK_SECRET_PREFIX = "whsec_"
+
+# Every call site's business process (its connection's application_name is
+# pgreserve:<role>) and static statement tag. See docs/operations.md.
+OPS: dict[str, Op] = {op.action: op for op in (
+    Op("admin", "tenant_create", "cli/tenant"),
+    Op("admin", "api_key_create", "cli/tenant/key"),
+    Op("api", "authenticate", "auth/bearer"),
+    Op("api", "tenant_lookup", "cli/tenant"),
+    Op("stock", "stock_set", "PUT /v1/stock/{location}/{sku}"),
+    Op("stock", "stock_adjust", "POST /v1/stock/{location}/{sku}/adjustments"),
+    Op("api", "stock_get", "GET /v1/stock/{location}/{sku}"),
+    Op("reserve", "reserve", "POST /v1/reservations"),
+    Op("claim", "claim", "POST /v1/reservations/{id}/claim"),
+    Op("release", "release", "POST /v1/reservations/{id}/release"),
+    Op("extend", "extend", "POST /v1/reservations/{id}/extend"),
+    Op("api", "reservation_get", "GET /v1/reservations/{id}"),
+    Op("sweeper", "expire_due", "worker/sweeper"),
+    Op("replenisher", "refill_candidates", "worker/replenisher"),
+    Op("replenisher", "refill", "worker/replenisher"),
+    Op("janitor", "purge_request_keys", "worker/janitor"),
+    Op("api", "events", "GET /v1/events"),
+    Op("ops", "invariants", "ops/invariants"),
+)}
+
+
+class ServiceObserver(Protocol):
+    """What the metrics layer hears from the service (see ops/metrics.py)."""
+
+    def operation(self, action: str, outcome: str, seconds: float) -> None: ...
 
 
 def _db_clock() -> datetime | None:
@@ -61,24 +91,31 @@ def _reservation_id(value: Any) -> uuid.UUID:
 class ReservationService:
     """Stock, holds and their lifecycle for every tenant of one database."""
 
-    def __init__(self, db: Database, *, clock: Clock = _db_clock) -> None:
+    def __init__(self, db: Database, *, clock: Clock = _db_clock,
+                 observer: ServiceObserver | None = None) -> None:
         self.db = db
         self.clock = clock
+        self.observer = observer
+
+    def _observe(self, action: str, outcome: str, started: float) -> None:
+        if self.observer is not None:
+            self.observer.operation(action, outcome, perf_counter() - started)
 
     # -- tenants -------------------------------------------------------------
 
     async def create_tenant(self, name: str) -> Tenant:
         name = check.name(name, "tenant name")
         row = await self.db.call(
-            "INSERT INTO tenant (name) VALUES (%s) RETURNING tenant_id", (name,)
-        )
+            "INSERT INTO tenant (name) VALUES (%s) RETURNING tenant_id", (name,),
+            op=OPS["tenant_create"])
         return Tenant(int(row), name)
 
     async def create_tenant_with_key(self, name: str) -> tuple[Tenant, str]:
         """Create a tenant and its first API key; return both (the key is shown only once)."""
         name = check.name(name, "tenant name")
         key = apikeys.new_key()
-        row = await self.db.call("SELECT tenant_create_v1(%s, %s)", (name, apikeys.hash_key(key)))
+        row = await self.db.call("SELECT tenant_create_v1(%s, %s)", (name, apikeys.hash_key(key)),
+                                op=OPS["tenant_create"])
         return Tenant(int(row), name), key
 
     async def create_api_key(self, tenant: int) -> str:
@@ -87,7 +124,7 @@ class ReservationService:
         await self._require_tenant(tenant)
         key = apikeys.new_key()
         await self.db.call("INSERT INTO api_key (tenant_id, key_hash) VALUES (%s, %s)",
-                           (tenant, apikeys.hash_key(key)))
+                           (tenant, apikeys.hash_key(key)), op=OPS["api_key_create"])
         return key
 
     async def tenant_for_api_key(self, key: str) -> int | None:
@@ -96,12 +133,13 @@ class ReservationService:
             return None
         rows = await self.db.fetch(
             "SELECT tenant_id FROM api_key WHERE key_hash = %s AND revoked_at IS NULL",
-            (apikeys.hash_key(key),),
+            (apikeys.hash_key(key),), op=OPS["authenticate"],
         )
         return int(rows[0][0]) if rows else None
 
     async def tenant_by_name(self, name: str) -> Tenant | None:
-        rows = await self.db.fetch("SELECT tenant_id FROM tenant WHERE name = %s", (name,))
+        rows = await self.db.fetch("SELECT tenant_id FROM tenant WHERE name = %s", (name,),
+                                  op=OPS["tenant_lookup"])
         return Tenant(int(rows[0][0]), name) if rows else None
 
     # -- stock ---------------------------------------------------------------
@@ -119,7 +157,7 @@ class ReservationService:
         doc = await self.db.call(
             "SELECT stock_set_v1(%s, %s, %s, %s, %s, %s, %s, %s)",
             (tenant, sku, location, on_hand, chosen.value if chosen else None, bool(force),
-             pool_cap, self.clock()),
+             pool_cap, self.clock()), op=OPS["stock_set"],
         )
         return StockView.from_json(doc)
 
@@ -137,6 +175,7 @@ class ReservationService:
         doc = await self.db.call(
             "SELECT stock_adjust_v1(%s, %s, %s, %s, %s, %s, %s, %s, %s)",
             (tenant, key, fingerprint, sku, location, delta, reason, bool(force), self.clock()),
+            op=OPS["stock_adjust"],
         )
         return StockView.from_json(doc["stock"], replayed=bool(doc.get("replayed")))
 
@@ -146,7 +185,7 @@ class ReservationService:
         rows = await self.db.fetch(
             "SELECT bucket_view_v1(tenant_id, bucket_id, coalesce(%s, clock_timestamp()))"
             " FROM stock_bucket WHERE tenant_id = %s AND sku = %s AND location = %s",
-            (self.clock(), tenant, sku, location),
+            (self.clock(), tenant, sku, location), op=OPS["stock_get"],
         )
         if not rows:
             await self._require_tenant(tenant)
@@ -172,26 +211,36 @@ class ReservationService:
             "lines": [[line.sku, line.location, line.quantity] for line in cart],
             "ttl_ms": int(life.total_seconds() * 1000),
         })
-        doc = await self.db.call(
-            "SELECT reserve_v1(%s, %s, %s, %s, %s, %s, %s, %s)",
-            (tenant, key, fingerprint, [x.sku for x in cart], [x.location for x in cart],
-             [x.quantity for x in cart], life, self.clock()),
-        )
-        return ReserveOutcome.from_json(doc)
+        started = perf_counter()
+        try:
+            doc = await self.db.call(
+                "SELECT reserve_v1(%s, %s, %s, %s, %s, %s, %s, %s)",
+                (tenant, key, fingerprint, [x.sku for x in cart], [x.location for x in cart],
+                 [x.quantity for x in cart], life, self.clock()), op=OPS["reserve"],
+            )
+        except Exception as exc:
+            self._observe("reserve", _failure(exc), started)
+            raise
+        outcome = ReserveOutcome.from_json(doc)
+        self._observe("reserve", "idempotent_replay" if outcome.replayed
+                      else "held" if outcome.held else "sold_out", started)
+        return outcome
 
     async def claim(self, tenant: int, reservation_id: str | uuid.UUID, *,
                     request_key: str | None = None) -> Reservation:
         """Payment succeeded: deduct the held units for good. Repeating it changes nothing."""
         if request_key is not None:
             return await self._keyed(tenant, request_key, "claim", reservation_id, None)
-        return await self._transition("SELECT claim_v1(%s, %s, %s)", tenant, reservation_id)
+        return await self._transition("SELECT claim_v1(%s, %s, %s)", "claim", tenant,
+                                      reservation_id)
 
     async def release(self, tenant: int, reservation_id: str | uuid.UUID, *,
                       request_key: str | None = None) -> Reservation:
         """Payment failed: give the units back, once. Repeating it changes nothing."""
         if request_key is not None:
             return await self._keyed(tenant, request_key, "release", reservation_id, None)
-        return await self._transition("SELECT release_v1(%s, %s, %s)", tenant, reservation_id)
+        return await self._transition("SELECT release_v1(%s, %s, %s)", "release", tenant,
+                                      reservation_id)
 
     async def extend(self, tenant: int, reservation_id: str | uuid.UUID,
                      ttl: timedelta | float, *, request_key: str | None = None) -> Reservation:
@@ -205,8 +254,14 @@ class ReservationService:
         tenant = check.tenant_id(tenant)
         rid = _reservation_id(reservation_id)
         life = check.ttl(ttl)
-        doc = await self.db.call("SELECT extend_v1(%s, %s, %s, %s)",
-                                 (tenant, rid, life, self.clock()))
+        started = perf_counter()
+        try:
+            doc = await self.db.call("SELECT extend_v1(%s, %s, %s, %s)",
+                                     (tenant, rid, life, self.clock()), op=OPS["extend"])
+        except Exception as exc:
+            self._observe("extend", _failure(exc), started)
+            raise
+        self._observe("extend", "ok", started)
         return Reservation.from_json(doc)
 
     async def _keyed(self, tenant: int, request_key: str, operation: str,
@@ -218,18 +273,26 @@ class ReservationService:
         params: dict[str, Any] = {"id": str(rid)}
         if life is not None:
             params["ttl_ms"] = int(life.total_seconds() * 1000)
-        doc = await self.db.call(
-            "SELECT transition_keyed_v1(%s, %s, %s, %s, %s, %s, %s)",
-            (tenant, key, operation, digest(operation, params), rid, life, self.clock()),
-        )
-        return Reservation.from_json(doc["reservation"], replayed=bool(doc.get("replayed")))
+        started = perf_counter()
+        try:
+            doc = await self.db.call(
+                "SELECT transition_keyed_v1(%s, %s, %s, %s, %s, %s, %s)",
+                (tenant, key, operation, digest(operation, params), rid, life, self.clock()),
+                op=OPS[operation],
+            )
+        except Exception as exc:
+            self._observe(operation, _failure(exc), started)
+            raise
+        replayed = bool(doc.get("replayed"))
+        self._observe(operation, "idempotent_replay" if replayed else "ok", started)
+        return Reservation.from_json(doc["reservation"], replayed=replayed)
 
     async def get_reservation(self, tenant: int, reservation_id: str | uuid.UUID) -> Reservation:
         tenant = check.tenant_id(tenant)
         rid = _reservation_id(reservation_id)
         rows = await self.db.fetch(
             "SELECT reservation_view_v1(%s, %s, coalesce(%s, clock_timestamp()))",
-            (tenant, rid, self.clock()),
+            (tenant, rid, self.clock()), op=OPS["reservation_get"],
         )
         if not rows or rows[0][0] is None:
             await self._require_tenant(tenant)
@@ -239,20 +302,26 @@ class ReservationService:
     async def expire_due(self, batch: int = SWEEP_BATCH_MAX) -> int:
         """Expire up to `batch` (at most 500) due reservations in one transaction."""
         batch = check.integer(batch, "batch", 1, SWEEP_BATCH_MAX)
-        return int(await self.db.call("SELECT expire_due_v1(%s, %s)", (batch, self.clock())))
+        started = perf_counter()
+        n = int(await self.db.call("SELECT expire_due_v1(%s, %s)", (batch, self.clock()),
+                                   op=OPS["expire_due"]))
+        self._observe("expire_due", str(n), started)
+        return n
 
     async def refill_candidates(self, low_water: float, limit: int) -> list[tuple[int, int]]:
         """Pool buckets under `low_water` x pool_cap with free stock, most depleted first."""
         rows = await self.db.fetch(
             "SELECT tenant_id, bucket_id FROM pool_refill_candidates_v1(%s::real, %s::integer)",
-            (low_water, limit),
+            (low_water, limit), op=OPS["refill_candidates"],
         )
         return [(int(r[0]), int(r[1])) for r in rows]
 
     async def refill(self, tenant: int, bucket_id: int) -> int | None:
         """Refill one pool bucket to its cap; None when another transaction holds it."""
+        started = perf_counter()
         added = await self.db.call("SELECT pool_refill_v1(%s, %s, %s)",
-                                   (tenant, bucket_id, self.clock()))
+                                   (tenant, bucket_id, self.clock()), op=OPS["refill"])
+        self._observe("refill", str(added or 0), started)
         return None if added is None else int(added)
 
     async def purge_request_keys(self, keep: timedelta, batch: int = 1000) -> int:
@@ -261,7 +330,8 @@ class ReservationService:
             raise InvalidRequest("keep must be a non-negative duration", field="keep")
         batch = check.integer(batch, "batch", 1, 100_000)
         return int(await self.db.call("SELECT request_keys_purge_v1(%s, %s, %s)",
-                                      (keep, batch, self.clock())))
+                                      (keep, batch, self.clock()),
+                                      op=OPS["purge_request_keys"]))
 
     # -- events ----------------------------------------------------------------
 
@@ -283,7 +353,7 @@ class ReservationService:
             " WHERE tenant_id = %s AND (xid, event_id) > (%s::text::xid8, %s)"
             "   AND xid < pg_snapshot_xmin(pg_current_snapshot())"
             " ORDER BY xid, event_id LIMIT %s",
-            (tenant, str(xid), event_id, limit),
+            (tenant, str(xid), event_id, limit), op=OPS["events"],
         )
         if not rows:
             await self._require_tenant(tenant)
@@ -339,23 +409,39 @@ class ReservationService:
         rows = await self.db.fetch(
             "SELECT tenant_id, sku, location, rule, detail"
             " FROM invariant_violations_v1(%s, %s)",
-            (tenant, self.clock()),
+            (tenant, self.clock()), op=OPS["invariants"],
         )
         return [Violation(int(r[0]), r[1], r[2], r[3], r[4]) for r in rows]
 
-    async def _transition(self, sql: Any, tenant: int,
+    async def _transition(self, sql: Any, action: str, tenant: int,
                           reservation_id: str | uuid.UUID) -> Reservation:
         tenant = check.tenant_id(tenant)
         rid = _reservation_id(reservation_id)
-        doc = await self.db.call(sql, (tenant, rid, self.clock()))
+        started = perf_counter()
+        try:
+            doc = await self.db.call(sql, (tenant, rid, self.clock()), op=OPS[action])
+        except Exception as exc:
+            self._observe(action, _failure(exc), started)
+            raise
+        self._observe(action, "ok", started)
         return Reservation.from_json(doc)
 
     async def _require_tenant(self, tenant: int) -> None:
         from ..errors import UnknownTenant
 
-        rows = await self.db.fetch("SELECT 1 FROM tenant WHERE tenant_id = %s", (tenant,))
+        rows = await self.db.fetch("SELECT 1 FROM tenant WHERE tenant_id = %s", (tenant,),
+                                   op=OPS["tenant_lookup"])
         if not rows:
             raise UnknownTenant(f"unknown tenant {tenant}")
 
 
-__all__ = ["ReservationService", "digest", "Line"]
+def _failure(exc: BaseException) -> str:
+    """The outcome label of a failed operation: its error code (busy, key reused, ...)."""
+    from ..errors import PgReserveError
+
+    if isinstance(exc, PgReserveError):
+        return str(getattr(exc, "code", type(exc).__name__))
+    return "error"
+
+
+__all__ = ["ReservationService", "digest", "Line", "OPS"]

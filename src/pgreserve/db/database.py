@@ -7,8 +7,9 @@ import json
 import logging
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, LiteralString
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, LiteralString, cast
 
 import psycopg
 from psycopg import AsyncClientCursor
@@ -47,6 +48,38 @@ class TxSettings:
     backoff_cap_s: float = 0.2
 
 
+@dataclass(frozen=True)
+class Op:
+    """Who runs a statement: the business process (a pool of its own, so its
+    connections carry application_name `pgreserve:<role>`) and a static
+    sqlcommenter-style tag appended to the statement text.
+
+    The tag holds no per-request value, so every execution of one call site has
+    one text: pg_stat_statements keeps it (comments do not change the query id)
+    and psycopg's prepared-statement cache keeps working.
+    """
+
+    role: str
+    action: str
+    route: str
+    comment: str = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for part in (self.role, self.action, self.route):
+            if any(c in part for c in "%*\n") or "," in part:
+                raise ValueError(f"op tag part {part!r} may not contain % * , or newline")
+        object.__setattr__(self, "comment",
+                           f" /* app=pgreserve,route={self.route},action={self.action} */")
+
+
+def tagged(sql: str, op: Op | None) -> LiteralString:
+    """The statement with its op's static comment appended (after the last token)."""
+    return cast(LiteralString, sql if op is None else sql + op.comment)
+
+
+Observer = Callable[[str, str], None]  # (action, event) e.g. ("reserve", "deadlock_retried")
+
+
 @dataclass
 class Stats:
     """Counters of what the retry loop saw (the bench and metrics read them)."""
@@ -64,33 +97,74 @@ class Database:
     def __init__(self, conninfo: str, *, min_size: int = 1, max_size: int = 10,
                  application_name: str = "pgreserve:core",
                  settings: TxSettings | None = None,
-                 prepare_threshold: int | None = 5) -> None:
+                 prepare_threshold: int | None = 5,
+                 role_pools: bool = False, role_max_size: int | None = None,
+                 observer: Observer | None = None) -> None:
+        """`role_pools`: run each tagged statement on the pool of its Op's role
+        (application_name `pgreserve:<role>`, opened on first use, min_size 0);
+        untagged statements use the main pool named `application_name`."""
         self.conninfo = conninfo
         self.settings = settings or TxSettings()
         self.stats = Stats()
+        self.observer = observer
         self._begin = sql_.SQL(
             "BEGIN; SET LOCAL lock_timeout = {}; SET LOCAL statement_timeout = {}"
         ).format(sql_.Literal(f"{int(self.settings.lock_timeout_ms)}ms"),
                  sql_.Literal(f"{int(self.settings.statement_timeout_ms)}ms"))
-        self.pool = AsyncConnectionPool(
-            conninfo,
+        self.prepare_threshold = prepare_threshold
+        self.role_pools = role_pools
+        self.role_max_size = role_max_size or max_size
+        self.pool = self._new_pool(application_name, min_size, max_size)
+        self.pools: dict[str, AsyncConnectionPool] = {application_name: self.pool}
+        self._opening = asyncio.Lock()
+
+    def _new_pool(self, name: str, min_size: int, max_size: int) -> AsyncConnectionPool:
+        return AsyncConnectionPool(
+            self.conninfo,
             min_size=min_size,
             max_size=max_size,
             open=False,
             kwargs={
                 "autocommit": True,
-                "application_name": application_name,
-                "prepare_threshold": prepare_threshold,
+                "application_name": name,
+                "prepare_threshold": self.prepare_threshold,
             },
-            name=application_name,
+            name=name,
         )
+
+    async def _pool_for(self, op: Op | None) -> AsyncConnectionPool:
+        if op is None or not self.role_pools:
+            return self.pool
+        name = f"pgreserve:{op.role}"
+        pool = self.pools.get(name)
+        if pool is not None:
+            return pool
+        async with self._opening:
+            pool = self.pools.get(name)
+            if pool is None:
+                pool = self._new_pool(name, 0, self.role_max_size)
+                await pool.open(wait=False)
+                self.pools[name] = pool
+        return pool
+
+    def pool_stats(self) -> dict[str, dict[str, int]]:
+        """psycopg_pool's counters of every pool, by application_name."""
+        return {name: dict(pool.get_stats()) for name, pool in self.pools.items()}
+
+    def _emit(self, op: Op | None, event: str) -> None:
+        if self.observer is not None:
+            try:
+                self.observer(op.action if op else "other", event)
+            except Exception:  # metrics must never fail an operation
+                log.exception("metrics observer failed")
 
     async def open(self) -> Database:
         await self.pool.open(wait=True, timeout=30)
         return self
 
     async def close(self) -> None:
-        await self.pool.close()
+        for pool in list(self.pools.values()):
+            await pool.close()
 
     async def __aenter__(self) -> Database:
         return await self.open()
@@ -98,7 +172,8 @@ class Database:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def call(self, sql: LiteralString, params: Sequence[Any] | Mapping[str, Any] = ()) -> Any:
+    async def call(self, sql: LiteralString, params: Sequence[Any] | Mapping[str, Any] = (),
+                   *, op: Op | None = None) -> Any:
         """Run one statement in its own transaction and return the first column of the first row.
 
         Deadlocks, serialization failures and lost connections are retried as
@@ -107,33 +182,45 @@ class Database:
         surface as Busy. Typed SQLSTATEs become their PgReserveError.
         """
         s = self.settings
+        sql = tagged(sql, op)
         attempt = 0
+        lost_before = False
         while True:
             attempt += 1
             try:
-                return await self._once(sql, params)
+                result = await self._once(sql, params, op)
+                if lost_before:
+                    self._emit(op, "unknown_outcome_resolved")
+                return result
             except psycopg.errors.Error as exc:
                 state = exc.sqlstate or ""
                 if state in _SQLSTATE_ERRORS:
                     raise _typed(exc, state) from None
                 if state in _BUSY:
                     self.stats.busy += 1
+                    self._emit(op, "busy")
                     raise errors.Busy(f"database busy: {exc.diag.message_primary}",
                                       sqlstate=state) from exc
                 lost = _connection_lost(exc, state)
                 if state in _RETRY_WHOLE or lost:
                     if state == "40P01":
                         self.stats.deadlocks_retried += 1
+                        self._emit(op, "deadlock_retried")
                     elif state == "40001":
                         self.stats.serialization_retried += 1
+                        self._emit(op, "serialization_retried")
                     elif state == "PR409":
                         self.stats.duplicate_key_retried += 1
+                        self._emit(op, "duplicate_key_retried")
                         if attempt < s.max_attempts:
                             continue  # the stored outcome is there now
                     else:
                         self.stats.connection_retried += 1
+                        self._emit(op, "connection_retried")
+                        lost_before = True
                     if attempt >= s.max_attempts:
                         if lost:
+                            self._emit(op, "unknown_outcome")
                             raise errors.OutcomeUnknown(
                                 "the database connection failed; retry with the same request key",
                             ) from exc
@@ -144,15 +231,17 @@ class Database:
                     continue
                 raise
 
-    async def _once(self, sql: LiteralString, params: Sequence[Any] | Mapping[str, Any]) -> Any:
-        async with self.pool.connection() as conn:
+    async def _once(self, sql: LiteralString, params: Sequence[Any] | Mapping[str, Any],
+                    op: Op | None = None) -> Any:
+        pool = await self._pool_for(op)
+        async with pool.connection() as conn:
             # One message, one round trip: BEGIN, the transaction-local limits,
             # the call and COMMIT as a multi-statement simple query. The
             # transaction never waits on the client while it holds locks.
             # Values are bound by psycopg's client-side binding (escaped
             # literals); no prepared statement is left on the server, which
             # keeps the call valid through PgBouncer's transaction pooling.
-            # (The extended-protocol pipeline did the same in one round trip
+            # (An extended-protocol pipeline did the same in one round trip
             # but cost the client about twice the CPU per call.)
             cur = AsyncClientCursor(conn, row_factory=tuple_row)
             try:
@@ -173,10 +262,12 @@ class Database:
         return sql_.SQL("{}; {}; COMMIT").format(self._begin, sql_.SQL(sql))
 
     async def fetch(self, sql: LiteralString,
-                    params: Sequence[Any] | Mapping[str, Any] = ()) -> list[tuple[Any, ...]]:
+                    params: Sequence[Any] | Mapping[str, Any] = (), *,
+                    op: Op | None = None) -> list[tuple[Any, ...]]:
         """Run a read-only query (autocommit) and return all rows."""
-        async with self.pool.connection() as conn:
-            cur = await conn.execute(sql, params)
+        pool = await self._pool_for(op)
+        async with pool.connection() as conn:
+            cur = await conn.execute(tagged(sql, op), params)
             return await cur.fetchall()
 
 

@@ -32,6 +32,15 @@ SERVER_SETTINGS: dict[str, str] = {
     "shared_preload_libraries": "pg_stat_statements",
     "pg_stat_statements.track": "all",
     "compute_query_id": "on",
+    # pg_stat_user_functions counts pool refills, inline vs background (ops/figures.py)
+    "track_functions": "pl",
+}
+
+# Defaults for the role the service connects as (ALTER ROLE ... SET): a safety
+# net under the per-transaction limits the service sets itself.
+ROLE_SETTINGS: dict[str, str] = {
+    "statement_timeout": "60s",
+    "lock_timeout": "10s",
 }
 
 
@@ -104,11 +113,14 @@ class EmbeddedServer:
         wanted = {**SERVER_SETTINGS, **self.extra_settings}
         marker = self.data_dir / "pgreserve.settings"
         text = "\n".join(f"{k}={v}" for k, v in sorted(wanted.items()))
+        text += "\n" + "\n".join(f"role.{k}={v}" for k, v in sorted(ROLE_SETTINGS.items()))
         if marker.exists() and marker.read_text() == text:
             return False
         with psycopg.connect(self.dsn("postgres"), autocommit=True) as conn:
             for key, value in wanted.items():
                 conn.execute(f"ALTER SYSTEM SET {key} = '{value}'")
+            for key, value in ROLE_SETTINGS.items():
+                conn.execute(f"ALTER ROLE CURRENT_USER SET {key} = '{value}'")
             conn.execute("SELECT pg_reload_conf()")
         marker.write_text(text)
         return True

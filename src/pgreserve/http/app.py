@@ -19,9 +19,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import Response
+from starlette.responses import HTMLResponse, Response
 from starlette.routing import Match
 
 from .. import errors
@@ -29,6 +29,7 @@ from .. import validation as check
 from ..core.service import Clock, ReservationService
 from ..db.database import Database
 from ..domain import ReserveOutcome
+from ..ops.metrics import OpsMetrics
 from . import problems
 from .models import (
     EventsOut,
@@ -72,8 +73,8 @@ class Metrics:
     transitions: Counter
 
     @classmethod
-    def new(cls) -> "Metrics":
-        registry = CollectorRegistry()
+    def new(cls, registry: CollectorRegistry | None = None) -> "Metrics":
+        registry = registry or CollectorRegistry()
         return cls(
             registry,
             Counter("pgreserve_http_requests", "HTTP requests by route and status",
@@ -257,32 +258,46 @@ KeyHeader = Annotated[str | None, Header(
 
 def create_app(dsn: str | None = None, *, database: Database | None = None,
                pool_size: int = 10, body_limit: int = DEFAULT_BODY_LIMIT,
-               clock: Clock | None = None, application_name: str = "pgreserve:http",
-               pool_min_size: int = 1) -> FastAPI:
+               clock: Clock | None = None, application_name: str = "pgreserve:api",
+               pool_min_size: int = 1, monitor: bool = False,
+               prepare_threshold: int | None = 5) -> FastAPI:
     """The API over one database: pass a DSN (the app owns its pool) or an open Database.
 
-    `clock` replaces the database clock (tests move time by hand).
+    `clock` replaces the database clock (tests move time by hand). `monitor`
+    runs the hold-time sampler and the bloat monitor in this process (their
+    figures go to /metrics and /ops). `prepare_threshold=None` behind PgBouncer
+    older than 1.21.
     """
+    from ..ops import web
+
+    ops = OpsMetrics()
     extra: dict[str, Any] = {"clock": clock} if clock is not None else {}
+    extra["observer"] = ops
     if database is None and dsn is None:
         raise ValueError("create_app needs a dsn or a database")
-    metrics = Metrics.new()
+    if database is not None and database.observer is None:
+        database.observer = ops.db_event
+    metrics = Metrics.new(ops.registry)
     inflight = InFlight()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if database is None:
             assert dsn is not None
+            # One pool per business process: application_name pgreserve:<role>.
             owned = Database(dsn, min_size=min(pool_min_size, pool_size), max_size=pool_size,
-                             application_name=application_name)
+                             application_name=application_name, role_pools=True,
+                             observer=ops.db_event, prepare_threshold=prepare_threshold)
             await owned.open()
             app.state.service = ReservationService(owned, **extra)
             try:
-                yield
+                async with web.monitors(app, owned.conninfo, ops, enabled=monitor):
+                    yield
             finally:
                 await owned.close()
         else:
-            yield
+            async with web.monitors(app, database.conninfo, ops, enabled=monitor):
+                yield
 
 
     def service() -> ReservationService:
@@ -340,6 +355,7 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     @app.exception_handler(Exception)
     async def on_crash(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
+        ops.error(f"{request.method} {request.url.path}: {type(exc).__name__}")
         return problems.problem_response(problems.InternalError("internal error"))
 
     # -- stock ---------------------------------------------------------------
@@ -509,7 +525,17 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                               "description": "Prometheus text format"}})
     async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        await web.refresh_metrics(app, service(), ops)
+        return Response(ops.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/ops", tags=["operations"], response_class=HTMLResponse, include_in_schema=False)
+    async def ops_page(refresh: Annotated[int, Query(ge=1, le=3600)] = 5) -> Response:
+        doc = await web.snapshot(app, service(), ops)
+        return HTMLResponse(web.render_page(doc, refresh))
+
+    @app.get("/ops.json", tags=["operations"], include_in_schema=False)
+    async def ops_json() -> Response:
+        return json_response(200, await web.snapshot(app, service(), ops))
 
     def _reserve_response(outcome: ReserveOutcome) -> Response:
         if outcome.held:
@@ -560,6 +586,7 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
 
     app.openapi = openapi  # type: ignore[method-assign]
     app.state.metrics = metrics
+    app.state.ops = ops
     app.state.service = (ReservationService(database, **extra)
                          if database is not None else None)
     app.add_middleware(CountRequests, metrics=metrics)  # type: ignore[arg-type]
@@ -572,4 +599,8 @@ def app_from_env() -> FastAPI:
     dsn = os.environ.get("PGRESERVE_DATABASE_URL")
     if not dsn:
         raise RuntimeError("PGRESERVE_DATABASE_URL is not set")
-    return create_app(dsn, pool_size=int(os.environ.get("PGRESERVE_POOL_SIZE", "10")))
+    threshold = os.environ.get("PGRESERVE_PREPARE_THRESHOLD", "5")
+    return create_app(dsn, pool_size=int(os.environ.get("PGRESERVE_POOL_SIZE", "10")),
+                      monitor=os.environ.get("PGRESERVE_OPS_MONITOR", "") == "1",
+                      prepare_threshold=None if threshold.lower() in ("", "none") else
+                      int(threshold))

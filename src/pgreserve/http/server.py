@@ -19,8 +19,10 @@ class ApiServer(uvicorn.Server):
     stops the API, then the workers, then the database, and exits 0.
     """
 
-    def __init__(self, dsn: str, host: str, port: int) -> None:
-        config = uvicorn.Config(create_app(dsn), host=host, port=port, log_level="warning",
+    def __init__(self, dsn: str, host: str, port: int, *, monitor: bool = False,
+                 prepare_threshold: int | None = 5) -> None:
+        app = create_app(dsn, monitor=monitor, prepare_threshold=prepare_threshold)
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                                 lifespan="on", access_log=False)
         super().__init__(config)
 

