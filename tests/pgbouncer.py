@@ -64,11 +64,15 @@ pidfile = {self.dir}/pgbouncer.pid
             for path in (self.dir, *self.dir.iterdir()):
                 os.chown(path, pw.pw_uid, pw.pw_gid)
             cmd = [binary, "-u", user, str(self.dir / "pgbouncer.ini")]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # stderr to a file, never a pipe: nobody reads a pipe during the run,
+        # and once its buffer is full pgbouncer blocks writing its log and
+        # stops answering (seen in full-suite runs).
+        self.stderr = open(self.dir / "stderr.log", "wb")  # noqa: SIM115  (closed in stop())
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.stderr)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                err = (self.dir / "stderr.log").read_text(errors="replace")
                 log = (self.dir / "pgbouncer.log")
                 raise RuntimeError(f"pgbouncer exited: {err} "
                                    f"{log.read_text() if log.exists() else ''}")
@@ -92,4 +96,6 @@ pidfile = {self.dir}/pgbouncer.pid
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        if getattr(self, "stderr", None) is not None:
+            self.stderr.close()
         shutil.rmtree(self.dir, ignore_errors=True)
