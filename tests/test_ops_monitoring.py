@@ -229,3 +229,51 @@ def test_retry_events_are_reserve_outcomes() -> None:
     assert sample(m, "pgreserve_reservations_total", outcome="unknown_outcome_resolved") == 1
     assert sample(m, "pgreserve_db_events_total", action="claim",
                   event="deadlock_retried") == 1
+
+
+async def test_real_deadlock_and_killed_backend_move_their_metrics(dsn: str) -> None:
+    """A real deadlock (retried) and a backend killed mid-call (retried, then answered)
+    move deadlock_retried and unknown_outcome_resolved through Database's retry loop."""
+    from pgreserve.db.database import Op
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE dl (id int PRIMARY KEY)")
+        conn.execute("INSERT INTO dl VALUES (1), (2)")
+        conn.execute("""CREATE FUNCTION dl_lock(a int, b int) RETURNS int LANGUAGE plpgsql AS $$
+                        BEGIN
+                            PERFORM 1 FROM dl WHERE id = a FOR UPDATE;
+                            PERFORM pg_sleep(0.5);
+                            PERFORM 1 FROM dl WHERE id = b FOR UPDATE;
+                            RETURN a;
+                        END $$""")
+    op = Op("reserve", "reserve", "test/retries")
+    m = OpsMetrics()
+    async with Database(dsn, max_size=3, observer=m.db_event) as db:
+        # two transactions locking the same rows in opposite orders: the server
+        # aborts one (40P01), the retry loop runs it again, both answer
+        assert sorted(await asyncio.gather(db.call("SELECT dl_lock(1, 2)", op=op),
+                                           db.call("SELECT dl_lock(2, 1)", op=op))) == [1, 2]
+        assert db.stats.deadlocks_retried >= 1
+
+        async def kill_the_sleeper() -> None:
+            async def victim() -> int | None:
+                with psycopg.connect(dsn, autocommit=True) as conn:
+                    row = conn.execute(
+                        "SELECT pid FROM pg_stat_activity WHERE state = 'active'"
+                        " AND query LIKE '%pg_sleep(1.5)%' AND pid <> pg_backend_pid()"
+                    ).fetchone()
+                    if row:
+                        conn.execute("SELECT pg_terminate_backend(%s)", (row[0],))
+                    return None if row is None else int(row[0])
+            await eventually(victim, "the sleeping backend to be killed")
+
+        # the first attempt's backend is terminated mid-call; the retry answers
+        answer, _ = await asyncio.gather(db.call("SELECT 7 FROM pg_sleep(1.5)", op=op),
+                                         kill_the_sleeper())
+        assert answer == 7
+    assert sample(m, "pgreserve_db_events_total", action="reserve",
+                  event="deadlock_retried") >= 1
+    assert sample(m, "pgreserve_reservations_total", outcome="deadlock_retried") >= 1
+    assert sample(m, "pgreserve_db_events_total", action="reserve",
+                  event="unknown_outcome_resolved") == 1
+    assert sample(m, "pgreserve_reservations_total", outcome="unknown_outcome_resolved") == 1
