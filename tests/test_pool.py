@@ -81,6 +81,12 @@ async def test_refill_races_claims_restocks_and_corrections(dsn: str) -> None:
                     pass
                 await asyncio.sleep(0.01)
 
+        # Hold most of the pool so the replenisher has work before the race
+        # starts: its first round must refill (deterministically), and its loop
+        # then keeps racing the buyers' inline refills.
+        warmup = await service.reserve(tenant.id, "warmup", [("s", "w", 20)])
+        assert warmup.held
+        assert await replenisher.run_once() > 0
         background = asyncio.create_task(refiller())
         await asyncio.gather(*(buyer(n) for n in range(12)), stock_keeper())
         stop.set()

@@ -416,7 +416,7 @@ CREATE FUNCTION reserve_v1(p_tenant bigint, p_key text, p_digest text,
 RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
     v_now timestamptz := coalesce(p_now, clock_timestamp());
-    v_ledger request_ledger;
+    v_replay jsonb;
     v_buckets bigint[];
     v_strategies text[];
     v_los bigint[];
@@ -439,14 +439,9 @@ BEGIN
     -- serialises two unrelated requests, and the ledger's unique key stays the
     -- guarantee.
     PERFORM pg_advisory_xact_lock(hashtextextended(p_key, p_tenant));
-    SELECT * INTO v_ledger FROM request_ledger
-    WHERE tenant_id = p_tenant AND request_key = p_key;
-    IF FOUND THEN
-        IF v_ledger.operation <> 'reserve' OR v_ledger.digest <> p_digest THEN
-            RAISE EXCEPTION 'request key % was already used with different parameters', p_key
-                USING ERRCODE = 'PR422', DETAIL = v_ledger.operation;
-        END IF;
-        RETURN v_ledger.outcome || '{"replayed": true}';
+    v_replay := ledger_check_v1(p_tenant, p_key, 'reserve', p_digest);
+    IF v_replay IS NOT NULL THEN
+        RETURN v_replay;
     END IF;
 
     SELECT array_agg(b.bucket_id ORDER BY u.ord), array_agg(b.strategy ORDER BY u.ord),
@@ -527,15 +522,7 @@ BEGIN
         VALUES (p_tenant, 'reservation.created', v_view);
     END IF;
 
-    INSERT INTO request_ledger (tenant_id, request_key, operation, digest, status, outcome)
-    VALUES (p_tenant, p_key, 'reserve', p_digest, v_status, v_outcome)
-    ON CONFLICT (tenant_id, request_key) DO NOTHING;
-    IF NOT FOUND THEN
-        -- The same key committed first while this one ran: undo this attempt;
-        -- the caller retries and gets the stored outcome.
-        RAISE EXCEPTION 'request key % was committed by a concurrent request', p_key
-            USING ERRCODE = 'PR409';
-    END IF;
+    PERFORM ledger_record_v1(p_tenant, p_key, 'reserve', p_digest, v_status, v_outcome);
     RETURN v_outcome;
 END $$;
 
