@@ -107,6 +107,7 @@ class Database:
         self.settings = settings or TxSettings()
         self.stats = Stats()
         self.observer = observer
+        self._wrapped: dict[str, sql_.Composed] = {}
         self._begin = sql_.SQL(
             "BEGIN; SET LOCAL lock_timeout = {}; SET LOCAL statement_timeout = {}"
         ).format(sql_.Literal(f"{int(self.settings.lock_timeout_ms)}ms"),
@@ -259,7 +260,12 @@ class Database:
             return None if row is None else row[0]
 
     def _wrap(self, sql: LiteralString) -> sql_.Composed:
-        return sql_.SQL("{}; {}; COMMIT").format(self._begin, sql_.SQL(sql))
+        # A handful of statement texts (one per call site): compose each once.
+        wrapped = self._wrapped.get(sql)
+        if wrapped is None:
+            wrapped = self._wrapped[sql] = sql_.SQL("{}; {}; COMMIT").format(
+                self._begin, sql_.SQL(sql))
+        return wrapped
 
     async def fetch(self, sql: LiteralString,
                     params: Sequence[Any] | Mapping[str, Any] = (), *,
