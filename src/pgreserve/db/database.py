@@ -107,7 +107,7 @@ class Database:
         self.settings = settings or TxSettings()
         self.stats = Stats()
         self.observer = observer
-        self._wrapped: dict[str, sql_.Composed] = {}
+        self._wrapped: dict[str, bytes] = {}
         self._begin = sql_.SQL(
             "BEGIN; SET LOCAL lock_timeout = {}; SET LOCAL statement_timeout = {}"
         ).format(sql_.Literal(f"{int(self.settings.lock_timeout_ms)}ms"),
@@ -259,12 +259,13 @@ class Database:
             row = await cur.fetchone()
             return None if row is None else row[0]
 
-    def _wrap(self, sql: LiteralString) -> sql_.Composed:
-        # A handful of statement texts (one per call site): compose each once.
+    def _wrap(self, sql: LiteralString) -> bytes:
+        # A handful of statement texts (one per call site): compose and encode
+        # each once (a Composed is rendered to bytes again on every execute).
         wrapped = self._wrapped.get(sql)
         if wrapped is None:
             wrapped = self._wrapped[sql] = sql_.SQL("{}; {}; COMMIT").format(
-                self._begin, sql_.SQL(sql))
+                self._begin, sql_.SQL(sql)).as_bytes(None)
         return wrapped
 
     async def fetch(self, sql: LiteralString,
