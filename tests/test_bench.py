@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from pgreserve.bench import Scenario, plan, run_scenario
 from pgreserve.bench.cli import make_flash_sale
+from pgreserve.bench.processes import split
 from pgreserve.bench.runner import CheckContext
 from pgreserve.errors import InvalidRequest
 
@@ -36,7 +37,7 @@ def test_scenario_rejects_nonsense() -> None:
     for bad in ({"hot_share": 1.5}, {"retry_rate": 1.0}, {"claim": 0.6, "release": 0.6},
                 {"buyers": 0}, {"quantity": 0}, {"units": 5, "quantity": 6},
                 {"strategies": ("row", "row")}, {"strategies": ("disk",)},
-                {"expire_ttl_s": 0.5}):
+                {"expire_ttl_s": 0.5}, {"processes": 0}, {"buyers": 4, "processes": 5}):
         with pytest.raises(InvalidRequest):
             Scenario(**bad)  # type: ignore[arg-type]
 
@@ -52,6 +53,39 @@ def test_plan_is_deterministic_and_follows_the_shares() -> None:
     assert {r.fate for r in requests} == {"claim", "release", "expire", "keep"}
     assert any(r.retry for r in requests) and not requests[0].retry
     assert {r.sku for r in plan(scenario.with_(hot_share=1.0))} == {0}
+
+
+def test_split_deals_every_request_and_buyer_once() -> None:
+    """Requests go round robin to the processes, buyers as evenly as they divide."""
+    requests = plan(Scenario(units=10, requests=101))
+    parts = split(requests, 10, 3)
+    assert [buyers for buyers, _ in parts] == [4, 3, 3]
+    assert sorted(r.seq for _, reqs in parts for r in reqs) == list(range(101))
+    assert [len(reqs) for _, reqs in split(requests, 2, 8)] == [51, 50]
+
+
+async def test_buyers_in_several_processes_keep_the_books(dsn: str) -> None:
+    """Three buyer processes, retries, claims, releases and expiries: every request is
+    answered once, and every invariant holds in both strategies."""
+    scenario = Scenario(units=40, requests=240, buyers=9, processes=3, retry_rate=0.2,
+                        claim=0.3, release=0.3, expire=0.2, strategies=("row", "pool"),
+                        pool_cap=10)
+    seen: list[int] = []
+    runs = await run_scenario(dsn, scenario, progress=lambda _s, n: seen.append(n))
+    assert sum(seen) == 2 * 240
+    for run in runs:
+        assert run.invariants_ok, (run.strategy, run.invariants(), run.violations)
+        assert sorted(x.seq for x in run.samples) == list(range(240))
+        assert run.errors == 0 and run.oversold == 0
+        assert run.retries > 0 and run.claimed > 0 and run.released > 0
+        assert run.client_stats.get("client_connection_retried") == 0
+        assert run.ledger is not None and run.ledger.restored > 0
+
+
+def test_http_target_takes_one_process(dsn: str, tmp_path: Path) -> None:
+    """--processes is for library buyers; the HTTP target refuses more than one."""
+    code, _, output = invoke(dsn, tmp_path, *SMALL, "--target", "http", "--processes", "2")
+    assert code == 2 and "--processes" in output
 
 
 def test_flash_sale_both_strategies_sell_exactly_the_stock(dsn: str, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ The integrator registers the group in pgreserve.cli with `main.add_command(bench
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -56,6 +57,10 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
                   help="Units seeded per SKU.")
     @click.option("--buyers", type=int, default=64, show_default=True,
                   help="Concurrent buyers, one connection each.")
+    @click.option("--processes", type=int, default=None,
+                  help="Client processes the buyers are spread over, each an asyncio loop "
+                       "[default: one per CPU for --target library, at most --buyers; 1 for "
+                       "--target http].")
     @click.option("--requests", "requests_", type=int, default=None,
                   help="Reserve requests in total, retries included [default: 3 x units x skus].")
     @click.option("--quantity", type=int, default=1, show_default=True, help="Units per request.")
@@ -97,7 +102,8 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
                   help="With --target http: a running service's base URL (needs --api-key "
                        "of a fresh tenant, --database-url of its database, one --strategy).")
     @click.option("--api-key", default=None, help="With --url: the API key to buy with.")
-    def flash_sale(units: int, buyers: int, requests_: int | None, quantity: int, skus: int,
+    def flash_sale(units: int, buyers: int, processes: int | None, requests_: int | None,
+                   quantity: int, skus: int,
                    hot_share: float, retry_rate: float, claim: float, release: float,
                    expire: float, expire_ttl: float, strategy: str, pool_cap: int,
                    takes: int | None, window: int, durable: bool, seed: int,
@@ -123,8 +129,13 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
             raise click.BadParameter("--url and --api-key go with --target http",
                                      param_hint="--target")
         strategies = ("row", "pool") if strategy == "all" else (strategy,)
+        if processes is None:
+            processes = 1 if target == "http" else max(1, min(os.cpu_count() or 1, buyers))
+        elif target == "http" and processes != 1:
+            raise click.BadParameter("--target http runs its buyers in one process",
+                                     param_hint="--processes")
         common: dict[str, Any] = dict(
-            buyers=buyers, claim=claim, release=release, expire=expire, expire_ttl_s=expire_ttl,
+            buyers=buyers, processes=processes, claim=claim, release=release, expire=expire, expire_ttl_s=expire_ttl,
             pool_cap=pool_cap, durable=durable, seed=seed, window=window,
             strategies=strategies)
         try:
@@ -143,7 +154,9 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
         err = Console(stderr=True)
         with _database(database_url, durable) as (dsn, where):
             migrations.migrate(dsn)
-            err.print(f"[dim]{where}; {scenario.buyers} buyers, {scenario.requests:,} requests "
+            err.print(f"[dim]{where}; {scenario.buyers} buyers in {scenario.processes} "
+                      f"process{'es' if scenario.processes > 1 else ''}, "
+                      f"{scenario.requests:,} requests "
                       f"per strategy, synchronous_commit={'on' if durable else 'off'}[/]")
             try:
                 runs = _run(dsn, scenario, quiet, err, before_check, http)

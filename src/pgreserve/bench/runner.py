@@ -22,12 +22,12 @@ from ..core.service import ReservationService
 from ..db.database import Database
 from ..errors import InvalidRequest, PgReserveError
 from .http import HttpBuyer, HttpTarget, client_session, local_service
+from .processes import drive_processes, sweep_until
 from .results import ERROR, HELD, REJECTED, REPLAYED, DbSnapshot, Ledger, RunResult, Sample
 from .scenario import PlannedRequest, Scenario, plan
 
 BUYERS_APP = "pgreserve:bench-buyer"
 ADMIN_APP = "pgreserve:bench-admin"
-SWEEP_EVERY_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,8 @@ async def run_scenario(dsn: str, scenario: Scenario, *, progress: Progress | Non
 
     `http` sends the buyers' calls through the HTTP API instead of the library.
     """
+    if http is not None and scenario.processes > 1:
+        raise InvalidRequest("the HTTP target runs its buyers in one process", field="processes")
     results = []
     for strategy in scenario.strategies:
         results.append(await run_strategy(dsn, scenario, strategy, progress=progress,
@@ -105,7 +107,14 @@ async def run_strategy(dsn: str, scenario: Scenario, strategy: str, *,
 
         stop_watch = asyncio.Event()
         watch = asyncio.create_task(_watch_dead_tuples(dsn, stop_watch))
-        if http is None:
+        if http is None and scenario.processes > 1:
+            try:
+                result = await drive_processes(dsn, service, tenant.id, scenario, strategy,
+                                               requests, progress, BUYERS_APP)
+            finally:
+                stop_watch.set()
+                peak = await watch
+        elif http is None:
             buyers_db = Database(dsn, min_size=scenario.buyers, max_size=scenario.buyers,
                                  application_name=BUYERS_APP)
             await buyers_db.open()
@@ -169,9 +178,16 @@ async def _empty_tenant_of(service: ReservationService, admin: Database,
     return Tenant(tenant, "api-key tenant")
 
 
-async def _drive(buyer: Buyer, admin: ReservationService, tenant: int,
+async def _drive(buyer: Buyer, admin: ReservationService | None, tenant: int,
                  scenario: Scenario, strategy: str, requests: list[PlannedRequest],
-                 progress: Progress | None) -> RunResult:
+                 progress: Progress | None, *, buyers: int | None = None,
+                 gate: Callable[[], Awaitable[float]] | None = None) -> RunResult:
+    """Run `requests` with `buyers` concurrent buyers (default: the scenario's).
+
+    `gate` waits for the go signal and returns the run's time zero (a
+    perf_counter value shared by all buyer processes); without it the run
+    starts at once. The sweeper runs here when holds expire and `admin` is given.
+    """
     samples: list[Sample] = []
     result = RunResult(strategy, scenario, samples, 0.0)
     queue = iter(requests)
@@ -211,20 +227,10 @@ async def _drive(buyer: Buyer, admin: ReservationService, tenant: int,
             if progress is not None:
                 progress(strategy, 1)
 
-    async def sweeper() -> None:
-        while not done.is_set():
-            try:
-                await admin.expire_due()
-            except PgReserveError:
-                pass
-            try:
-                await asyncio.wait_for(done.wait(), SWEEP_EVERY_S)
-            except TimeoutError:
-                pass
-
-    tasks = [asyncio.create_task(one_buyer(i)) for i in range(scenario.buyers)]
-    sweep = asyncio.create_task(sweeper()) if scenario.expire > 0 else None
-    t0 = time.perf_counter()
+    tasks = [asyncio.create_task(one_buyer(i)) for i in range(buyers or scenario.buyers)]
+    sweep = asyncio.create_task(sweep_until(admin, done)) \
+        if scenario.expire > 0 and admin else None
+    t0 = await gate() if gate is not None else time.perf_counter()
     start.set()
     try:
         await asyncio.gather(*tasks)

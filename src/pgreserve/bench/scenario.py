@@ -11,6 +11,7 @@ from ..errors import InvalidRequest
 Fate = Literal["claim", "release", "expire", "keep"]
 STRATEGIES = ("row", "pool")
 MAX_BUYERS = 250  # the embedded server allows 300 connections
+MAX_PROCESSES = 32
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,8 @@ class Scenario:
     """Reserve requests sent in total (retries included)."""
     buyers: int = 64
     """Concurrent buyers, one connection each."""
+    processes: int = 1
+    """Client processes the buyers are spread over (each an asyncio loop)."""
     quantity: int = 1
     """Units per request."""
     skus: int = 1
@@ -48,6 +51,7 @@ class Scenario:
         _int(self.units, "units", 1, 10_000_000)
         _int(self.requests, "requests", 1, 50_000_000)
         _int(self.buyers, "buyers", 1, MAX_BUYERS)
+        _int(self.processes, "processes", 1, min(MAX_PROCESSES, self.buyers))
         _int(self.quantity, "quantity", 1, self.units)
         _int(self.skus, "skus", 1, 10_000)
         _int(self.pool_cap, "pool_cap", 1, 100_000)

@@ -1,0 +1,191 @@
+"""Buyers spread over several processes, each an asyncio loop with one connection per buyer.
+
+One Python process drives a few thousand calls a second at most. With every
+buyer in one event loop, that loop becomes the bottleneck long before the
+database does (a sold-out answer costs the client about as much as the server),
+and the run measures the load generator. Each process here runs its share of
+the buyers through the library API, exactly as the single-process run does;
+the parent seeds, sweeps, shows progress and checks the books.
+
+All processes start at one moment (an event set after every process has
+opened its connections) and time their calls from one time zero: Linux's
+perf_counter is the system-wide monotonic clock, so their samples merge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import queue
+import time
+import traceback
+from collections import Counter
+from typing import Any
+
+from ..core.service import ReservationService
+from ..errors import PgReserveError
+from .results import RunResult, Sample
+from .scenario import PlannedRequest, Scenario
+
+READY_TIMEOUT_S = 120.0
+SWEEP_EVERY_S = 0.25
+
+
+def split(requests: list[PlannedRequest], buyers: int,
+          processes: int) -> list[tuple[int, list[PlannedRequest]]]:
+    """(buyers, requests) of each process: requests dealt round robin, buyers spread evenly."""
+    n = max(1, min(processes, buyers))
+    return [(buyers // n + (1 if k < buyers % n else 0), requests[k::n]) for k in range(n)]
+
+
+def _child(number: int, dsn: str, scenario: Scenario, strategy: str, tenant: int, buyers: int,
+           requests: list[PlannedRequest], application_name: str, go: Any, zero: Any,
+           done: Any, out: Any) -> None:
+    try:
+        asyncio.run(_child_run(number, dsn, scenario, strategy, tenant, buyers, requests,
+                               application_name, go, zero, done, out))
+    except BaseException as exc:  # report it: the parent must not wait for this process
+        out.put(("error", number, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+async def _child_run(number: int, dsn: str, scenario: Scenario, strategy: str, tenant: int,
+                     buyers: int, requests: list[PlannedRequest], application_name: str,
+                     go: Any, zero: Any, done: Any, out: Any) -> None:
+    from ..db.database import Database
+    from .runner import _drive
+
+    loop = asyncio.get_running_loop()
+
+    async def gate() -> float:
+        await loop.run_in_executor(None, go.wait)
+        return float(zero.value)
+
+    def progress(_strategy: str, n: int) -> None:
+        with done.get_lock():
+            done.value += n
+
+    db = Database(dsn, min_size=buyers, max_size=buyers, application_name=application_name)
+    await db.open()
+    try:
+        out.put(("ready", number, None))
+        result = await _drive(ReservationService(db), None, tenant, scenario, strategy,
+                              requests, progress, buyers=buyers, gate=gate)
+    finally:
+        await db.close()
+    out.put(("result", number, {
+        "samples": [(x.seq, x.start, x.end, x.outcome, x.units) for x in result.samples],
+        "elapsed_s": result.elapsed_s,
+        "claimed": result.claimed,
+        "claimed_units": result.claimed_units,
+        "released": result.released,
+        "followup_errors": result.followup_errors,
+        "error_kinds": dict(result.error_kinds),
+        "client_stats": {k: int(v) for k, v in vars(db.stats).items()},
+    }))
+
+
+async def drive_processes(dsn: str, admin: ReservationService, tenant: int, scenario: Scenario,
+                          strategy: str, requests: list[PlannedRequest],
+                          progress: Any, application_name: str) -> RunResult:
+    """Run the plan with the scenario's buyers spread over `scenario.processes` processes."""
+    ctx = mp.get_context("spawn")
+    parts = split(requests, scenario.buyers, scenario.processes)
+    go, zero, done, out = ctx.Event(), ctx.Value("d", 0.0), ctx.Value("q", 0), ctx.Queue()
+    procs = [ctx.Process(target=_child, daemon=True,
+                         args=(k, dsn, scenario, strategy, tenant, buyers, reqs,
+                               application_name, go, zero, done, out))
+             for k, (buyers, reqs) in enumerate(parts)]
+    for proc in procs:
+        proc.start()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    helpers: list[asyncio.Task[None]] = []
+    payloads: dict[int, dict[str, Any]] = {}
+    try:
+        ready = 0
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while ready < len(procs):
+            kind, number, body = await _next(loop, out, procs, deadline)
+            if kind == "error":
+                raise RuntimeError(f"buyer process {number} failed: {body}")
+            ready += kind == "ready"
+        if scenario.expire > 0:
+            helpers.append(asyncio.create_task(sweep_until(admin, stop)))
+        if progress is not None:
+            helpers.append(asyncio.create_task(_report(progress, strategy, done, stop)))
+        zero.value = time.perf_counter()
+        go.set()
+        while len(payloads) < len(procs):
+            kind, number, body = await _next(loop, out, procs, None)
+            if kind == "error":
+                raise RuntimeError(f"buyer process {number} failed: {body}")
+            if kind == "result":
+                payloads[number] = body
+    finally:
+        stop.set()
+        for task in helpers:
+            await task
+        for proc in procs:
+            if proc.is_alive() and len(payloads) < len(procs):
+                proc.terminate()
+            await loop.run_in_executor(None, proc.join, 30)
+    return _merge(strategy, scenario, list(payloads.values()))
+
+
+async def _next(loop: asyncio.AbstractEventLoop, out: Any, procs: list[Any],
+                deadline: float | None) -> tuple[str, int, Any]:
+    """The next message from a buyer process; fails if one died without a word or time is up."""
+    while True:
+        try:
+            msg: tuple[str, int, Any] = await loop.run_in_executor(None, out.get, True, 0.5)
+            return msg
+        except queue.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a buyer process exited with code {dead[0].exitcode}")
+            if deadline is not None and time.monotonic() > deadline:
+                raise RuntimeError("buyer processes did not get ready in time") from None
+
+
+async def sweep_until(admin: ReservationService, stop: asyncio.Event) -> None:
+    """Expire due holds every SWEEP_EVERY_S, as the sweeper worker would, until `stop`."""
+    while not stop.is_set():
+        try:
+            await admin.expire_due()
+        except PgReserveError:
+            pass
+        try:
+            await asyncio.wait_for(stop.wait(), SWEEP_EVERY_S)
+        except TimeoutError:
+            pass
+
+
+async def _report(progress: Any, strategy: str, done: Any, stop: asyncio.Event) -> None:
+    shown = 0
+    while True:
+        now = int(done.value)
+        if now > shown:
+            progress(strategy, now - shown)
+            shown = now
+        if stop.is_set():
+            return
+        try:
+            await asyncio.wait_for(stop.wait(), 0.1)
+        except TimeoutError:
+            pass
+
+
+def _merge(strategy: str, scenario: Scenario, payloads: list[dict[str, Any]]) -> RunResult:
+    samples = sorted((Sample(*row) for p in payloads for row in p["samples"]),
+                     key=lambda x: x.start)
+    result = RunResult(strategy, scenario, samples, max(p["elapsed_s"] for p in payloads))
+    stats: Counter[str] = Counter()
+    for p in payloads:
+        result.claimed += p["claimed"]
+        result.claimed_units += p["claimed_units"]
+        result.released += p["released"]
+        result.followup_errors += p["followup_errors"]
+        result.error_kinds.update(p["error_kinds"])
+        stats.update(p["client_stats"])
+    result.client_stats = {f"client_{k}": v for k, v in stats.items()}
+    return result
