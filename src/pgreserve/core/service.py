@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from time import perf_counter
 
 from .. import validation as check
+from ..db import literals as lit
 from ..db.database import Database, Op
 from ..domain import (
     DEFAULT_TTL,
@@ -214,9 +215,12 @@ class ReservationService:
         started = perf_counter()
         try:
             doc = await self.db.call(
-                "SELECT reserve_v1(%s, %s, %s, %s, %s, %s, %s, %s)",
-                (tenant, key, fingerprint, [x.sku for x in cart], [x.location for x in cart],
-                 [x.quantity for x in cart], life, self.clock()), op=OPS["reserve"],
+                "SELECT reserve_v1(%s, %s, %s, %s::text[], %s::text[], %s::integer[],"
+                " %s::interval, %s)",
+                (tenant, key, fingerprint, lit.text_array(x.sku for x in cart),
+                 lit.text_array(x.location for x in cart),
+                 lit.int_array(x.quantity for x in cart), lit.interval(life), self.clock()),
+                op=OPS["reserve"],
             )
         except Exception as exc:
             self._observe("reserve", _failure(exc), started)
