@@ -65,3 +65,36 @@ async def test_sold_out_answers_scan_no_table(dsn: str, strategy: str) -> None:
     wait_sessions_gone(dsn, app)
     after = seq_scans(dsn)
     assert {t: after.get(t, 0) - before.get(t, 0) for t in HOT_TABLES} == dict.fromkeys(HOT_TABLES, 0)
+
+
+def function_calls(dsn: str, names: tuple[str, ...]) -> dict[str, int]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute("SELECT funcname, calls FROM pg_stat_user_functions"
+                            " WHERE funcname = ANY(%s)", (list(names),)).fetchall()
+    return {name: int(n) for name, n in rows}
+
+
+@pytest.mark.parametrize("strategy", ["row", "pool"])
+async def test_plainly_sold_out_is_answered_without_a_take(dsn: str, strategy: str) -> None:
+    """Nothing free, nothing in the pool, no expired hold: the answer comes from the bucket
+    lookup (no take, no refill), says what is available, and is stored for the key."""
+    takes = ("bucket_take_v1", "pool_take_units_v1", "pool_replenish_v1")
+    app = f"soldout-{strategy}"
+    async with Database(dsn, min_size=1, max_size=1, application_name=app) as db:
+        service = ReservationService(db)
+        tenant = await service.create_tenant("soldout")
+        await service.set_stock(tenant.id, "s", "w", 3, strategy=strategy)
+        assert (await service.reserve(tenant.id, "all", [("s", "w", 3)])).held
+        first = await service.reserve(tenant.id, "no", [("s", "w", 1)])
+    wait_sessions_gone(dsn, app)
+    before = function_calls(dsn, takes)
+    async with Database(dsn, min_size=4, max_size=4, application_name=app) as db:
+        service = ReservationService(db)
+        outs = await asyncio.gather(*(service.reserve(tenant.id, f"no{i}-{q}", [("s", "w", q)])
+                                      for i in range(40) for q in (1, 2)))
+        again = await service.reserve(tenant.id, "no", [("s", "w", 1)])
+    wait_sessions_gone(dsn, app)
+    after = function_calls(dsn, takes)
+    assert all(not o.held and o.short_lines[0].available == 0 for o in [first, *outs])
+    assert again.replayed and again.short_lines == first.short_lines
+    assert {f: after.get(f, 0) - before.get(f, 0) for f in takes} == dict.fromkeys(takes, 0)

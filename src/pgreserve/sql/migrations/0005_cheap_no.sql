@@ -16,7 +16,10 @@
 -- 3. reserve_v1 checks and records its request key inline (the same rules as
 --    ledger_check_v1 and ledger_record_v1, without two nested calls), and
 --    builds the usual one-line rejection without a query.
--- 4. The request ledger's and the outbox's documents are never searched by
+-- 4. A one-line cart on a plainly sold-out bucket (less free than asked, an
+--    empty pool, no expired hold, all read in one statement's snapshot) is
+--    answered from the bucket lookup: no take, no refill lock, no scan.
+-- 5. The request ledger's and the outbox's documents are never searched by
 --    value: analyse no statistics for them (sorting thousands of jsonb values
 --    was a visible share of the server's time under load).
 
@@ -162,6 +165,12 @@ DECLARE
     v_los bigint[];
     v_his bigint[];
     v_missing jsonb;
+    v_bucket bigint;
+    v_strategy text;
+    v_lo bigint;
+    v_hi bigint;
+    v_free bigint;
+    v_sold_out boolean := false;
     v_taken integer := 0;
     v_short integer[] := '{}';
     v_seen bigint[] := '{}';
@@ -190,34 +199,67 @@ BEGIN
         RETURN v_prior.outcome || jsonb_build_object('replayed', true);
     END IF;
 
-    SELECT array_agg(b.bucket_id ORDER BY u.ord), array_agg(b.strategy ORDER BY u.ord),
-           array_agg(b.pool_lo ORDER BY u.ord), array_agg(b.pool_hi ORDER BY u.ord),
-           jsonb_agg(jsonb_build_object('sku', u.sku, 'location', u.loc) ORDER BY u.ord)
-               FILTER (WHERE b.bucket_id IS NULL)
-    INTO v_buckets, v_strategies, v_los, v_his, v_missing
-    FROM unnest(p_skus, p_locations) WITH ORDINALITY AS u(sku, loc, ord)
-    LEFT JOIN stock_bucket b
-      ON b.tenant_id = p_tenant AND b.sku = u.sku AND b.location = u.loc;
+    IF cardinality(p_skus) = 1 THEN
+        -- One line, the usual cart. One statement finds the bucket and tells
+        -- whether it is plainly sold out in this statement's snapshot: less
+        -- free than asked, no unit in the pool (a unit another buyer is taking
+        -- still counts: its delete has not committed) and no hold past its
+        -- expiry. Then the answer is no at once: no take, no refill lock, no
+        -- scan. The probes run only when free is short.
+        SELECT b.bucket_id, b.strategy, b.pool_lo, b.pool_hi, b.free,
+               b.free < p_quantities[1]
+               AND NOT EXISTS (SELECT 1 FROM stock_unit u
+                               WHERE u.tenant_id = p_tenant AND u.bucket_id = b.bucket_id)
+               AND NOT EXISTS (SELECT 1 FROM reservation_line l
+                               WHERE l.tenant_id = p_tenant AND l.bucket_id = b.bucket_id
+                                 AND l.held AND l.expires_at <= v_now)
+        INTO v_bucket, v_strategy, v_lo, v_hi, v_free, v_sold_out
+        FROM stock_bucket b
+        WHERE b.tenant_id = p_tenant AND b.sku = p_skus[1] AND b.location = p_locations[1];
+        IF FOUND THEN
+            v_buckets := ARRAY[v_bucket];
+            v_strategies := ARRAY[v_strategy];
+            v_los := ARRAY[v_lo];
+            v_his := ARRAY[v_hi];
+        ELSE
+            v_missing := jsonb_build_array(jsonb_build_object(
+                'sku', p_skus[1], 'location', p_locations[1]));
+        END IF;
+    ELSE
+        SELECT array_agg(b.bucket_id ORDER BY u.ord), array_agg(b.strategy ORDER BY u.ord),
+               array_agg(b.pool_lo ORDER BY u.ord), array_agg(b.pool_hi ORDER BY u.ord),
+               jsonb_agg(jsonb_build_object('sku', u.sku, 'location', u.loc) ORDER BY u.ord)
+                   FILTER (WHERE b.bucket_id IS NULL)
+        INTO v_buckets, v_strategies, v_los, v_his, v_missing
+        FROM unnest(p_skus, p_locations) WITH ORDINALITY AS u(sku, loc, ord)
+        LEFT JOIN stock_bucket b
+          ON b.tenant_id = p_tenant AND b.sku = u.sku AND b.location = u.loc;
+    END IF;
     IF v_missing IS NOT NULL THEN
         PERFORM tenant_require_v1(p_tenant);
         RAISE EXCEPTION 'unknown stock' USING ERRCODE = 'PR404', DETAIL = v_missing::text;
     END IF;
 
-    FOR i IN 1 .. cardinality(v_buckets) LOOP
-        v_take := bucket_take_v1(p_tenant, v_buckets[i], p_quantities[i], v_now,
-                                 v_strategies[i], v_los[i], v_his[i]);
-        IF v_take.ok THEN
-            IF v_short = '{}' THEN
-                v_taken := i;
+    IF v_sold_out THEN
+        v_seen := ARRAY[v_free];
+        v_short := ARRAY[1];
+    ELSE
+        FOR i IN 1 .. cardinality(v_buckets) LOOP
+            v_take := bucket_take_v1(p_tenant, v_buckets[i], p_quantities[i], v_now,
+                                     v_strategies[i], v_los[i], v_his[i]);
+            IF v_take.ok THEN
+                IF v_short = '{}' THEN
+                    v_taken := i;
+                ELSE
+                    PERFORM bucket_untake_v1(p_tenant, v_buckets[i], p_quantities[i],
+                                             v_strategies[i]);
+                END IF;
             ELSE
-                PERFORM bucket_untake_v1(p_tenant, v_buckets[i], p_quantities[i],
-                                         v_strategies[i]);
+                v_short := v_short || i;
+                v_seen := v_seen || v_take.seen_available;
             END IF;
-        ELSE
-            v_short := v_short || i;
-            v_seen := v_seen || v_take.seen_available;
-        END IF;
-    END LOOP;
+        END LOOP;
+    END IF;
 
     IF v_short <> '{}' THEN
         -- Give back what the lines before the first short one took. (A take
