@@ -69,7 +69,7 @@ async def test_buyers_in_several_processes_keep_the_books(dsn: str) -> None:
     answered once, and every invariant holds in both strategies."""
     scenario = Scenario(units=40, requests=240, buyers=9, processes=3, retry_rate=0.2,
                         claim=0.3, release=0.3, expire=0.2, strategies=("row", "pool"),
-                        pool_cap=10)
+                        pool_cap=10, replenish=False)
     seen: list[int] = []
     runs = await run_scenario(dsn, scenario, progress=lambda _s, n: seen.append(n))
     assert sum(seen) == 2 * 240
@@ -80,6 +80,7 @@ async def test_buyers_in_several_processes_keep_the_books(dsn: str) -> None:
         assert run.retries > 0 and run.claimed > 0 and run.released > 0
         assert run.client_stats.get("client_connection_retried") == 0
         assert run.ledger is not None and run.ledger.restored > 0
+        assert run.background_refills is None  # replenish=False: pools refill inline only
 
 
 def test_http_target_takes_one_process(dsn: str, tmp_path: Path) -> None:
@@ -126,6 +127,9 @@ async def test_mixed_lifecycle_keeps_the_books(dsn: str) -> None:
         assert run.requests == 300
         assert run.ledger is not None and run.ledger.restored > 0
         assert run.claimed_units + run.ledger.held + run.ledger.free + run.ledger.pool == 120
+    # the pool run had the background replenisher beside its buyers, as deployed
+    assert runs[0].background_refills is None and runs[1].background_refills is not None
+    assert "background_refills" in runs[1].db_view()
 
 
 def test_planted_drift_fails_the_run(dsn: str, tmp_path: Path) -> None:

@@ -80,6 +80,10 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
     @click.option("--strategy", type=click.Choice(["row", "pool", "all"]), default="all",
                   show_default=True)
     @click.option("--pool-cap", type=int, default=1_000, show_default=True)
+    @click.option("--replenish/--no-replenish", default=True, show_default=True,
+                  help="Run the background pool replenisher during pool runs, as "
+                       "`pgreserve worker` does (without it, pools refill only inline, "
+                       "when a buyer finds them dry).")
     @click.option("--takes", type=int, default=None,
                   help="Long run: this many single-unit holds on one pool bucket; reports the "
                        "p99 of the first and the last --window holds.")
@@ -106,7 +110,7 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
                    quantity: int, skus: int,
                    hot_share: float, retry_rate: float, claim: float, release: float,
                    expire: float, expire_ttl: float, strategy: str, pool_cap: int,
-                   takes: int | None, window: int, durable: bool, seed: int,
+                   replenish: bool, takes: int | None, window: int, durable: bool, seed: int,
                    json_path: str | None, plot_path: str | None, quiet: bool,
                    database_url: str | None, target: str, url: str | None,
                    api_key: str | None) -> None:
@@ -136,7 +140,7 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
                                      param_hint="--processes")
         common: dict[str, Any] = dict(
             buyers=buyers, processes=processes, claim=claim, release=release, expire=expire, expire_ttl_s=expire_ttl,
-            pool_cap=pool_cap, durable=durable, seed=seed, window=window,
+            pool_cap=pool_cap, replenish=replenish, durable=durable, seed=seed, window=window,
             strategies=strategies)
         try:
             if takes is not None:

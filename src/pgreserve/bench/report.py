@@ -72,6 +72,10 @@ def render(console: Console, scenario: Scenario, runs: list[RunResult]) -> None:
                       f"{db.get('pool_dead_tuples_peak', 'n/a')}, "
                       f"{db.get('pool_rows_deleted', 'n/a')} rows deleted, "
                       f"{db.get('pool_vacuums', 'n/a')} vacuums")
+        if "background_refills" in db:
+            table.add_row("background refills", f"{db['background_refills']:,}",
+                          f"{db['background_refilled_units']:,} units put in the pool by "
+                          "the replenisher")
         table.add_row("deadlocks / commits / rollbacks",
                       f"{db.get('deadlocks', 'n/a')} / {db.get('xact_commit', 'n/a')} / "
                       f"{db.get('xact_rollback', 'n/a')}",

@@ -77,6 +77,8 @@ class RunResult:
     client_stats: dict[str, int] = field(default_factory=dict)
     peak_pool_dead_tuples: int | None = None
     target: str = "library"  # how the buyers reached the service: "library" or "http"
+    background_refills: int | None = None  # pool runs: refills by the background replenisher
+    background_refilled_units: int | None = None
 
     # -- counts ----------------------------------------------------------------
 
@@ -216,6 +218,9 @@ class RunResult:
             doc["pool_vacuums"] = after.pool_vacuums - before.pool_vacuums
         if self.peak_pool_dead_tuples is not None:
             doc["pool_dead_tuples_peak"] = self.peak_pool_dead_tuples
+        if self.background_refills is not None:
+            doc["background_refills"] = self.background_refills
+            doc["background_refilled_units"] = self.background_refilled_units
         return doc
 
     def to_dict(self) -> dict[str, Any]:

@@ -21,6 +21,8 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from ..core.service import ReservationService
 from ..db.database import Database
 from ..errors import InvalidRequest, PgReserveError
+from ..workers.base import run_forever
+from ..workers.replenisher import Replenisher
 from .http import HttpBuyer, HttpTarget, client_session, local_service
 from .processes import drive_processes, sweep_until
 from .results import ERROR, HELD, REJECTED, REPLAYED, DbSnapshot, Ledger, RunResult, Sample
@@ -86,7 +88,7 @@ async def run_strategy(dsn: str, scenario: Scenario, strategy: str, *,
     """One strategy: a fresh tenant and buckets, the buyers, a final sweep, then the checks."""
     dsn = with_commit_mode(dsn, scenario.durable)
     requests = plan(scenario)
-    async with Database(dsn, min_size=1, max_size=1, application_name=ADMIN_APP) as admin:
+    async with Database(dsn, min_size=1, max_size=3, application_name=ADMIN_APP) as admin:
         service = ReservationService(admin)
         api_key: str | None = None
         if http is not None and http.url is not None:
@@ -107,6 +109,11 @@ async def run_strategy(dsn: str, scenario: Scenario, strategy: str, *,
 
         stop_watch = asyncio.Event()
         watch = asyncio.create_task(_watch_dead_tuples(dsn, stop_watch))
+        # As deployed: `pgreserve worker` keeps the pools above their
+        # low-water mark while buyers take (refilling inline only when dry).
+        replenisher = Replenisher(service) if strategy == "pool" and scenario.replenish else None
+        refilling = asyncio.create_task(run_forever(replenisher, stop_watch)) \
+            if replenisher is not None else None
         if http is None and scenario.processes > 1:
             try:
                 result = await drive_processes(dsn, service, tenant.id, scenario, strategy,
@@ -138,6 +145,10 @@ async def run_strategy(dsn: str, scenario: Scenario, strategy: str, *,
                 stop_watch.set()
                 peak = await watch
             result.target = "http"
+        if refilling is not None and replenisher is not None:
+            await refilling
+            result.background_refills = replenisher.refills
+            result.background_refilled_units = replenisher.units_added
         result.peak_pool_dead_tuples = peak
         await _settle_expiries(service, scenario, result)
         await _wait_backends_gone(dsn)

@@ -41,6 +41,8 @@ class Scenario:
     hold_ttl_s: float = 900.0
     strategies: tuple[str, ...] = ("row",)
     pool_cap: int = 1_000
+    replenish: bool = True
+    """Run the background replenisher during pool runs, as `pgreserve worker` does."""
     durable: bool = True
     seed: int = 1
     window: int = 10_000
