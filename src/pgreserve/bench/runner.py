@@ -111,7 +111,10 @@ async def run_strategy(dsn: str, scenario: Scenario, strategy: str, *,
         watch = asyncio.create_task(_watch_dead_tuples(dsn, stop_watch))
         # As deployed: `pgreserve worker` keeps the pools above their
         # low-water mark while buyers take (refilling inline only when dry).
-        replenisher = Replenisher(service) if strategy == "pool" and scenario.replenish else None
+        # A running service (--url) has its own workers.
+        replenisher = Replenisher(service) \
+            if strategy == "pool" and scenario.replenish and (http is None or http.url is None) \
+            else None
         refilling = asyncio.create_task(run_forever(replenisher, stop_watch)) \
             if replenisher is not None else None
         if http is None and scenario.processes > 1:
