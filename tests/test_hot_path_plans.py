@@ -64,7 +64,8 @@ async def test_sold_out_answers_scan_no_table(dsn: str, strategy: str) -> None:
         assert not any(any(run) for run in refused)
     wait_sessions_gone(dsn, app)
     after = seq_scans(dsn)
-    assert {t: after.get(t, 0) - before.get(t, 0) for t in HOT_TABLES} == dict.fromkeys(HOT_TABLES, 0)
+    scans = {t: after.get(t, 0) - before.get(t, 0) for t in HOT_TABLES}
+    assert scans == dict.fromkeys(HOT_TABLES, 0)
 
 
 def function_calls(dsn: str, names: tuple[str, ...]) -> dict[str, int]:

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from pgreserve.db import literals as lit
 
 HOSTILE = ['a', 'NULL', 'null', ' spaced ', 'q"uote', 'back\\slash', '\\"', '{brace}', 'a,b',
-           "it's", 'ünïcødé ✓', '\t\n', '"', '\\', '{}', '{"x"}', 'x)); DROP TABLE tenant; --']
+           "it's", 'ünïcødé ✓', '\t\n', '"', '\\', '{}', '{"x"}',
+           'x)); DROP TABLE tenant; --']
 
 
 def test_hostile_text_round_trips(dsn: str) -> None:

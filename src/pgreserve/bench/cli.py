@@ -139,7 +139,8 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
             raise click.BadParameter("--target http runs its buyers in one process",
                                      param_hint="--processes")
         common: dict[str, Any] = dict(
-            buyers=buyers, processes=processes, claim=claim, release=release, expire=expire, expire_ttl_s=expire_ttl,
+            buyers=buyers, processes=processes, claim=claim, release=release, expire=expire,
+            expire_ttl_s=expire_ttl,
             pool_cap=pool_cap, replenish=replenish, durable=durable, seed=seed, window=window,
             strategies=strategies)
         try:

@@ -20,11 +20,12 @@ import queue
 import time
 import traceback
 from collections import Counter
+from dataclasses import asdict
 from typing import Any
 
 from ..core.service import ReservationService
 from ..errors import PgReserveError
-from .results import RunResult, Sample
+from .results import RunResult
 from .scenario import PlannedRequest, Scenario
 
 READY_TIMEOUT_S = 120.0
@@ -72,16 +73,8 @@ async def _child_run(number: int, dsn: str, scenario: Scenario, strategy: str, t
                               requests, progress, buyers=buyers, gate=gate)
     finally:
         await db.close()
-    out.put(("result", number, {
-        "samples": [(x.seq, x.start, x.end, x.outcome, x.units) for x in result.samples],
-        "elapsed_s": result.elapsed_s,
-        "claimed": result.claimed,
-        "claimed_units": result.claimed_units,
-        "released": result.released,
-        "followup_errors": result.followup_errors,
-        "error_kinds": dict(result.error_kinds),
-        "client_stats": {k: int(v) for k, v in vars(db.stats).items()},
-    }))
+    result.client_stats = asdict(db.stats)
+    out.put(("result", number, result))
 
 
 async def drive_processes(dsn: str, admin: ReservationService, tenant: int, scenario: Scenario,
@@ -100,7 +93,7 @@ async def drive_processes(dsn: str, admin: ReservationService, tenant: int, scen
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     helpers: list[asyncio.Task[None]] = []
-    payloads: dict[int, dict[str, Any]] = {}
+    finished: dict[int, RunResult] = {}
     try:
         ready = 0
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -115,21 +108,21 @@ async def drive_processes(dsn: str, admin: ReservationService, tenant: int, scen
             helpers.append(asyncio.create_task(_report(progress, strategy, done, stop)))
         zero.value = time.perf_counter()
         go.set()
-        while len(payloads) < len(procs):
+        while len(finished) < len(procs):
             kind, number, body = await _next(loop, out, procs, None)
             if kind == "error":
                 raise RuntimeError(f"buyer process {number} failed: {body}")
             if kind == "result":
-                payloads[number] = body
+                finished[number] = body
     finally:
         stop.set()
         for task in helpers:
             await task
         for proc in procs:
-            if proc.is_alive() and len(payloads) < len(procs):
+            if proc.is_alive() and len(finished) < len(procs):
                 proc.terminate()
             await loop.run_in_executor(None, proc.join, 30)
-    return _merge(strategy, scenario, list(payloads.values()))
+    return _merge(strategy, scenario, list(finished.values()))
 
 
 async def _next(loop: asyncio.AbstractEventLoop, out: Any, procs: list[Any],
@@ -175,17 +168,17 @@ async def _report(progress: Any, strategy: str, done: Any, stop: asyncio.Event) 
             pass
 
 
-def _merge(strategy: str, scenario: Scenario, payloads: list[dict[str, Any]]) -> RunResult:
-    samples = sorted((Sample(*row) for p in payloads for row in p["samples"]),
-                     key=lambda x: x.start)
-    result = RunResult(strategy, scenario, samples, max(p["elapsed_s"] for p in payloads))
+def _merge(strategy: str, scenario: Scenario, parts: list[RunResult]) -> RunResult:
+    """One run from the processes' runs: samples in start order, counts and stats summed."""
+    samples = sorted((x for part in parts for x in part.samples), key=lambda x: x.start)
+    result = RunResult(strategy, scenario, samples, max(part.elapsed_s for part in parts))
     stats: Counter[str] = Counter()
-    for p in payloads:
-        result.claimed += p["claimed"]
-        result.claimed_units += p["claimed_units"]
-        result.released += p["released"]
-        result.followup_errors += p["followup_errors"]
-        result.error_kinds.update(p["error_kinds"])
-        stats.update(p["client_stats"])
+    for part in parts:
+        result.claimed += part.claimed
+        result.claimed_units += part.claimed_units
+        result.released += part.released
+        result.followup_errors += part.followup_errors
+        result.error_kinds.update(part.error_kinds)
+        stats.update(part.client_stats)
     result.client_stats = {f"client_{k}": v for k, v in stats.items()}
     return result
