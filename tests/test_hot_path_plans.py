@@ -99,3 +99,36 @@ async def test_plainly_sold_out_is_answered_without_a_take(dsn: str, strategy: s
     assert all(not o.held and o.short_lines[0].available == 0 for o in [first, *outs])
     assert again.replayed and again.short_lines == first.short_lines
     assert {f: after.get(f, 0) - before.get(f, 0) for f in takes} == dict.fromkeys(takes, 0)
+
+
+def pool_indexes_opened(conn: psycopg.Connection, sql: str, params: tuple) -> int:
+    """Indexes of pool partitions locked by one call inside a transaction. (A generic plan
+    locks every partition it names before pruning; an index is locked only when the executor
+    sets up a scan of it.)"""
+    with conn.transaction(force_rollback=True):
+        conn.execute(sql, params)
+        row = conn.execute(
+            "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation"
+            " WHERE l.pid = pg_backend_pid() AND c.relkind = 'i'"
+            " AND c.relname LIKE 'stock_unit_p%%'").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+async def test_a_row_hold_opens_no_pool_partition(dsn: str) -> None:
+    """Checking a one-line cart for "plainly sold out" names the bucket by a parameter and
+    runs only when less is free than asked: a row bucket's hold sets up no scan of the pool,
+    and a sold-out pool bucket's answer sets up one, on the partition of its units (before,
+    every reserve set up a scan of all 16)."""
+    async with Database(dsn, min_size=1, max_size=1) as db:
+        service = ReservationService(db)
+        tenant = await service.create_tenant("relations")
+        await service.set_stock(tenant.id, "r", "w", 10, strategy="row")
+        await service.set_stock(tenant.id, "p", "w", 0, strategy="pool")
+    call = ("SELECT reserve_v1(%s, %s, 'd', %s::text[], '{w}', '{1}', '15 minutes')")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for i in range(3):  # the generic plans are made on the first calls
+            row_opened = pool_indexes_opened(conn, call, (tenant.id, f"r{i}", "{r}"))
+            pool_opened = pool_indexes_opened(conn, call, (tenant.id, f"p{i}", "{p}"))
+    assert row_opened == 0
+    assert pool_opened == 1

@@ -1,0 +1,205 @@
+-- pgreserve 0006: fewer relations opened per reserve.
+--
+-- 0005 found a one-line cart's bucket and probed it for "plainly sold out" in
+-- one statement. The probes were correlated to the bucket row, so the generic
+-- plan could not prune the pool's partitions at executor start-up: every
+-- reserve, hold or not, opened and set up an index scan on all 16 stock_unit
+-- partitions (and the held-lines index) that it then mostly never ran. The
+-- probes now run only when less is free than asked, in a statement of their
+-- own that names the bucket by a parameter, so start-up prunes to the one
+-- partition that holds the bucket's units. The answer still comes from one
+-- snapshot: that statement reads free again beside the probes.
+--
+-- Measured with pgbench (prepared, 64 clients, one pool bucket): server CPU
+-- per sold-out answer 217-251 us before, 192-215 us after; per hold 796-961
+-- us before, 661-698 us after.
+
+CREATE OR REPLACE FUNCTION reserve_v1(p_tenant bigint, p_key text, p_digest text,
+                           p_skus text[], p_locations text[], p_quantities integer[],
+                           p_ttl interval, p_now timestamptz DEFAULT NULL)
+RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, clock_timestamp());
+    v_prior request_ledger;
+    v_buckets bigint[];
+    v_strategies text[];
+    v_los bigint[];
+    v_his bigint[];
+    v_missing jsonb;
+    v_bucket bigint;
+    v_strategy text;
+    v_lo bigint;
+    v_hi bigint;
+    v_free bigint;
+    v_sold_out boolean := false;
+    v_taken integer := 0;
+    v_short integer[] := '{}';
+    v_seen bigint[] := '{}';
+    v_take record;
+    v_id uuid;
+    v_outcome jsonb;
+    v_view jsonb;
+    v_lines jsonb;
+    v_status text;
+    i integer;
+BEGIN
+    -- Requests with one key run one after another: the second sees the first's
+    -- committed outcome instead of competing with it for stock (a pool buyer
+    -- would otherwise find its sibling's units locked and store a rejection).
+    -- Transaction-scoped, so it needs no session state; a hash collision only
+    -- serialises two unrelated requests, and the ledger's unique key stays the
+    -- guarantee.
+    PERFORM pg_advisory_xact_lock(hashtextextended(p_key, p_tenant));
+    -- (ledger_check_v1, inline: this is the hottest path)
+    SELECT * INTO v_prior FROM request_ledger WHERE tenant_id = p_tenant AND request_key = p_key;
+    IF FOUND THEN
+        IF v_prior.operation <> 'reserve' OR v_prior.digest <> p_digest THEN
+            RAISE EXCEPTION 'request key % was already used with different parameters', p_key
+                USING ERRCODE = 'PR422', DETAIL = v_prior.operation;
+        END IF;
+        RETURN v_prior.outcome || jsonb_build_object('replayed', true);
+    END IF;
+
+    IF cardinality(p_skus) = 1 THEN
+        -- One line, the usual cart. Find the bucket; if less is free than
+        -- asked, one statement tells whether the bucket is plainly sold out in
+        -- its snapshot: less free than asked, no unit in the pool (a unit
+        -- another buyer is taking still counts: its delete has not committed)
+        -- and no hold past its expiry. Then the answer is no at once: no take,
+        -- no refill lock, no scan. The probes name the bucket by a parameter,
+        -- so the executor opens one pool partition, not all of them.
+        SELECT b.bucket_id, b.strategy, b.pool_lo, b.pool_hi, b.free
+        INTO v_bucket, v_strategy, v_lo, v_hi, v_free
+        FROM stock_bucket b
+        WHERE b.tenant_id = p_tenant AND b.sku = p_skus[1] AND b.location = p_locations[1];
+        IF FOUND THEN
+            IF v_free < p_quantities[1] THEN
+                SELECT b.free, b.free < p_quantities[1]
+                       AND NOT EXISTS (SELECT 1 FROM stock_unit u
+                                       WHERE u.tenant_id = p_tenant AND u.bucket_id = v_bucket)
+                       AND NOT EXISTS (SELECT 1 FROM reservation_line l
+                                       WHERE l.tenant_id = p_tenant AND l.bucket_id = v_bucket
+                                         AND l.held AND l.expires_at <= v_now)
+                INTO v_free, v_sold_out
+                FROM stock_bucket b WHERE b.tenant_id = p_tenant AND b.bucket_id = v_bucket;
+            END IF;
+            v_buckets := ARRAY[v_bucket];
+            v_strategies := ARRAY[v_strategy];
+            v_los := ARRAY[v_lo];
+            v_his := ARRAY[v_hi];
+        ELSE
+            v_missing := jsonb_build_array(jsonb_build_object(
+                'sku', p_skus[1], 'location', p_locations[1]));
+        END IF;
+    ELSE
+        SELECT array_agg(b.bucket_id ORDER BY u.ord), array_agg(b.strategy ORDER BY u.ord),
+               array_agg(b.pool_lo ORDER BY u.ord), array_agg(b.pool_hi ORDER BY u.ord),
+               jsonb_agg(jsonb_build_object('sku', u.sku, 'location', u.loc) ORDER BY u.ord)
+                   FILTER (WHERE b.bucket_id IS NULL)
+        INTO v_buckets, v_strategies, v_los, v_his, v_missing
+        FROM unnest(p_skus, p_locations) WITH ORDINALITY AS u(sku, loc, ord)
+        LEFT JOIN stock_bucket b
+          ON b.tenant_id = p_tenant AND b.sku = u.sku AND b.location = u.loc;
+    END IF;
+    IF v_missing IS NOT NULL THEN
+        PERFORM tenant_require_v1(p_tenant);
+        RAISE EXCEPTION 'unknown stock' USING ERRCODE = 'PR404', DETAIL = v_missing::text;
+    END IF;
+
+    IF v_sold_out THEN
+        v_seen := ARRAY[v_free];
+        v_short := ARRAY[1];
+    ELSE
+        FOR i IN 1 .. cardinality(v_buckets) LOOP
+            v_take := bucket_take_v1(p_tenant, v_buckets[i], p_quantities[i], v_now,
+                                     v_strategies[i], v_los[i], v_his[i]);
+            IF v_take.ok THEN
+                IF v_short = '{}' THEN
+                    v_taken := i;
+                ELSE
+                    PERFORM bucket_untake_v1(p_tenant, v_buckets[i], p_quantities[i],
+                                             v_strategies[i]);
+                END IF;
+            ELSE
+                v_short := v_short || i;
+                v_seen := v_seen || v_take.seen_available;
+            END IF;
+        END LOOP;
+    END IF;
+
+    IF v_short <> '{}' THEN
+        -- Give back what the lines before the first short one took. (A take
+        -- that came back true also tells the bucket's current strategy: a
+        -- switch waits for this transaction once it has taken anything.)
+        FOR i IN 1 .. v_taken LOOP
+            PERFORM bucket_untake_v1(
+                p_tenant, v_buckets[i], p_quantities[i],
+                (SELECT strategy FROM stock_bucket
+                 WHERE tenant_id = p_tenant AND bucket_id = v_buckets[i]));
+        END LOOP;
+        IF cardinality(v_short) = 1 AND v_seen[1] IS NOT NULL THEN
+            -- the usual case, built without a query
+            v_outcome := jsonb_build_array(jsonb_build_object(
+                'sku', p_skus[v_short[1]], 'location', p_locations[v_short[1]],
+                'requested', p_quantities[v_short[1]], 'available', v_seen[1]));
+        ELSE
+            SELECT jsonb_agg(jsonb_build_object(
+                       'sku', p_skus[k], 'location', p_locations[k],
+                       'requested', p_quantities[k],
+                       'available',
+                       coalesce(seen, (bucket_view_v1(p_tenant, v_buckets[k], v_now)
+                                       ->> 'available')::bigint))
+                       ORDER BY n)
+            INTO v_outcome FROM unnest(v_short, v_seen) WITH ORDINALITY AS u(k, seen, n);
+        END IF;
+        v_status := 'rejected';
+        v_outcome := jsonb_build_object('status', 'rejected', 'reason', 'insufficient_stock',
+                                        'short_lines', v_outcome);
+        -- This transaction took nothing: it only records the rejection. It
+        -- need not wait for its WAL to reach disk (sold out must be cheap). A
+        -- crash in the next few hundred milliseconds can lose the record;
+        -- nothing else is lost, and a retry of the key then runs afresh.
+        PERFORM set_config('synchronous_commit', 'off', true);
+    ELSE
+        v_id := gen_random_uuid();
+        INSERT INTO reservation (tenant_id, reservation_id, request_key, created_at, expires_at)
+        VALUES (p_tenant, v_id, p_key, v_now, v_now + p_ttl);
+        INSERT INTO reservation_line (tenant_id, reservation_id, line_no, bucket_id, quantity,
+                                      expires_at)
+        SELECT p_tenant, v_id, ord, bucket, qty, v_now + p_ttl
+        FROM unnest(v_buckets, p_quantities) WITH ORDINALITY AS u(bucket, qty, ord);
+        -- The same document reservation_view_v1 would read back, built from
+        -- what is known here.
+        IF cardinality(p_skus) = 1 THEN
+            v_lines := jsonb_build_array(jsonb_build_object(
+                'sku', p_skus[1], 'location', p_locations[1], 'quantity', p_quantities[1]));
+        ELSE
+            SELECT jsonb_agg(jsonb_build_object('sku', sku, 'location', loc, 'quantity', qty)
+                             ORDER BY ord)
+            INTO v_lines
+            FROM unnest(p_skus, p_locations, p_quantities) WITH ORDINALITY AS u(sku, loc, qty, ord);
+        END IF;
+        v_view := jsonb_build_object(
+            'id', v_id, 'status', 'active', 'created_at', v_now,
+            'expires_at', v_now + p_ttl, 'claimed_at', NULL, 'released_at', NULL,
+            'expired_at', NULL, 'lines', v_lines);
+        v_status := 'succeeded';
+        v_outcome := jsonb_build_object('status', 'held', 'reservation', v_view);
+        INSERT INTO outbox_event (tenant_id, type, payload)
+        VALUES (p_tenant, 'reservation.created', v_view);
+    END IF;
+
+    -- (ledger_record_v1, inline)
+    INSERT INTO request_ledger (tenant_id, request_key, operation, digest, status, outcome)
+    VALUES (p_tenant, p_key, 'reserve', p_digest, v_status, v_outcome)
+    ON CONFLICT (tenant_id, request_key) DO NOTHING;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'request key % was committed by a concurrent request', p_key
+            USING ERRCODE = 'PR409';
+    END IF;
+    RETURN v_outcome;
+END $$;
+ALTER FUNCTION reserve_v1(bigint, text, text, text[], text[], integer[], interval, timestamptz)
+    SET plan_cache_mode = force_generic_plan;
+ALTER FUNCTION reserve_v1(bigint, text, text, text[], text[], integer[], interval, timestamptz)
+    SET enable_seqscan = off;
