@@ -67,7 +67,7 @@ def test_doctor_passes_on_the_tuned_server(dsn: str) -> None:
     and the exit code is 0; an untuned partition is then found."""
     code, found = run_doctor(dsn)
     assert code == 0, {k: v for k, v in found.items() if v["status"] == "fail"}
-    assert found["autovacuum_naptime"]["found"] == "10s"
+    assert found["autovacuum_naptime"]["found"] == "1s"
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("ALTER TABLE stock_unit_p3 RESET (autovacuum_vacuum_scale_factor)")
     code, found = run_doctor(dsn)

@@ -24,7 +24,7 @@ DATABASE = "pgreserve"
 SERVER_SETTINGS: dict[str, str] = {
     "max_connections": "300",
     "shared_buffers": "256MB",
-    "autovacuum_naptime": "10s",
+    "autovacuum_naptime": "1s",
     "autovacuum_max_workers": "6",
     "idle_in_transaction_session_timeout": "15s",
     "log_lock_waits": "on",

@@ -72,7 +72,7 @@ def diagnose(dsn: str, *, pool_size: int = 10, processes: int = 1,
         s_ = _ms(*v) / 1000 if v else 60.0
         out.append(Finding(
             "autovacuum_naptime", "fail" if s_ > 15 else "ok", f"{s_:g}s", "at most 15s",
-            "ALTER SYSTEM SET autovacuum_naptime = '10s'; SELECT pg_reload_conf();  "
+            "ALTER SYSTEM SET autovacuum_naptime = '1s'; SELECT pg_reload_conf();  "
             "-- the pool partitions churn dead tuples every second"))
 
         v = setting("autovacuum_max_workers")
