@@ -149,3 +149,46 @@ async def test_release_and_expiry_return_units_to_the_pool(dsn: str) -> None:
         assert pool_size(dsn) == 3
         assert (await service.reserve(tenant.id, "b", [("s", "w", 3)])).held
         assert await service.invariant_violations() == []
+
+
+async def test_buyers_waiting_for_a_refill_are_let_through_together(dsn: str) -> None:
+    """While one transaction holds a dry pool bucket (refilling it), short buyers wait for
+    that transaction itself, all of them, not in a queue for the bucket lock that would let
+    them through one commit at a time; when it commits with new units, every one holds."""
+    async with Database(dsn, min_size=8, max_size=8) as db:
+        service = ReservationService(db)
+        tenant = await service.create_tenant("together")
+        await service.set_stock(tenant.id, "s", "w", 30, strategy="pool", pool_cap=10)
+        assert (await service.reserve(tenant.id, "first", [("s", "w", 10)])).held
+        with psycopg.connect(dsn, autocommit=True) as probe:
+            bucket, pool = probe.execute(
+                "SELECT b.bucket_id, (SELECT count(*) FROM stock_unit u WHERE u.tenant_id ="
+                " b.tenant_id AND u.bucket_id = b.bucket_id) FROM stock_bucket b"
+                " WHERE tenant_id = %s", (tenant.id,)).fetchone()  # type: ignore[misc]
+            assert pool == 0
+            with psycopg.connect(dsn) as refiller:
+                refiller.execute("SELECT 1 FROM stock_bucket WHERE tenant_id = %s AND"
+                                 " bucket_id = %s FOR NO KEY UPDATE", (tenant.id, bucket))
+                xid = refiller.execute("SELECT pg_current_xact_id()::text").fetchone()[0]  # type: ignore[index]
+                buyers = [asyncio.create_task(service.reserve(tenant.id, f"b{i}",
+                                                              [("s", "w", 1)]))
+                          for i in range(8)]
+                waiting = (
+                    "SELECT count(*) FILTER (WHERE locktype = 'transactionid'"
+                    " AND transactionid::text = %s), count(*) FROM pg_locks WHERE NOT granted")
+                for _ in range(200):
+                    on_refiller, all_waits = probe.execute(waiting, (xid,)).fetchone()  # type: ignore[misc]
+                    if all_waits >= 8:
+                        break
+                    await asyncio.sleep(0.02)
+                assert (on_refiller, all_waits) == (8, 8)
+                added = refiller.execute("SELECT pool_refill_v1(%s, %s)",
+                                         (tenant.id, bucket)).fetchone()[0]  # type: ignore[index]
+                assert added == 10
+                refiller.commit()
+            outs = await asyncio.gather(*buyers)
+        assert all(o.held for o in outs)
+        view = await service.get_stock(tenant.id, "s", "w")
+        assert (view.reserved, view.pool, view.available) == (18, 2, 12)
+        assert db.stats.serialization_retried == 0
+        assert await service.invariant_violations() == []

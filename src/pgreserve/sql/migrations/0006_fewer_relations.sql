@@ -1,4 +1,4 @@
--- pgreserve 0006: fewer relations opened per reserve.
+-- pgreserve 0006: fewer relations opened per reserve, no convoy after a refill.
 --
 -- 0005 found a one-line cart's bucket and probed it for "plainly sold out" in
 -- one statement. The probes were correlated to the bucket row, so the generic
@@ -13,6 +13,12 @@
 -- Measured with pgbench (prepared, 64 clients, one pool bucket): server CPU
 -- per sold-out answer 217-251 us before, 192-215 us after; per hold 796-961
 -- us before, 661-698 us after.
+--
+-- A pool buyer short of units waited for an inline refill by queueing for the
+-- bucket row lock, and then held that lock until it committed: after a
+-- refill, the queued buyers went through one at a time. Now only the refiller
+-- takes the row lock; the others wait for it with a share lock and are all
+-- let through together (see bucket_take_v1).
 
 CREATE OR REPLACE FUNCTION reserve_v1(p_tenant bigint, p_key text, p_digest text,
                            p_skus text[], p_locations text[], p_quantities integer[],
@@ -203,3 +209,148 @@ ALTER FUNCTION reserve_v1(bigint, text, text, text[], text[], integer[], interva
     SET plan_cache_mode = force_generic_plan;
 ALTER FUNCTION reserve_v1(bigint, text, text, text[], text[], integer[], interval, timestamptz)
     SET enable_seqscan = off;
+
+CREATE OR REPLACE FUNCTION bucket_take_v1(p_tenant bigint, p_bucket bigint, p_qty integer,
+                               p_now timestamptz, p_strategy text DEFAULT NULL,
+                               p_lo bigint DEFAULT NULL, p_hi bigint DEFAULT NULL,
+                               OUT ok boolean, OUT seen_available bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_strategy text := p_strategy;
+    v_lo bigint := p_lo;
+    v_hi bigint := p_hi;
+    v_free bigint;
+    v_got integer;
+    v_rep record;
+    v_reclaimed bigint;
+    v_expired boolean;
+BEGIN
+    ok := false;
+    IF v_strategy IS NULL THEN
+        SELECT strategy, pool_lo, pool_hi INTO v_strategy, v_lo, v_hi
+        FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+    END IF;
+
+    IF v_strategy = 'row' THEN
+        UPDATE stock_bucket SET free = free - p_qty
+        WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND strategy = 'row'
+          AND free >= p_qty;
+        IF FOUND THEN
+            ok := true;
+            RETURN;
+        END IF;
+        -- One statement reads what a short answer needs: the strategy (a
+        -- switch may have happened), what is free, and whether any hold has
+        -- expired.
+        SELECT b.strategy, b.pool_lo, b.pool_hi, b.free,
+               EXISTS (SELECT 1 FROM reservation_line l
+                       WHERE l.tenant_id = p_tenant AND l.bucket_id = p_bucket
+                         AND l.held AND l.expires_at <= p_now)
+        INTO v_strategy, v_lo, v_hi, v_free, v_expired
+        FROM stock_bucket b WHERE b.tenant_id = p_tenant AND b.bucket_id = p_bucket;
+        IF v_strategy = 'row' THEN
+            -- Short, unless expired holds can be given up first. A row bucket
+            -- has no pool, so what is free is what is available.
+            IF NOT v_expired THEN
+                seen_available := v_free;
+                RETURN;
+            END IF;
+            PERFORM 1 FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+            FOR NO KEY UPDATE;
+            v_reclaimed := bucket_reclaim_expired_v1(p_tenant, p_bucket, p_now);
+            UPDATE stock_bucket SET free = free + v_reclaimed
+            WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+            UPDATE stock_bucket SET free = free - p_qty
+            WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND strategy = 'row'
+              AND free >= p_qty;
+            ok := FOUND;
+            RETURN;
+        END IF;
+        -- switched to pool meanwhile: take from the pool below
+    END IF;
+
+    v_got := pool_take_units_v1(
+        p_tenant, p_bucket, p_qty,
+        CASE WHEN v_hi > v_lo THEN v_lo + floor(random() * (v_hi - v_lo + 1))::bigint
+             ELSE 0 END);
+    IF v_got = p_qty THEN
+        ok := true;
+        RETURN;
+    END IF;
+
+    -- Sold out is cheap: nothing free and nothing expired means no refill can
+    -- help, so answer now without queueing on the bucket lock.
+    SELECT b.free,
+           EXISTS (SELECT 1 FROM reservation_line l
+                   WHERE l.tenant_id = p_tenant AND l.bucket_id = p_bucket
+                     AND l.held AND l.expires_at <= p_now)
+    INTO v_free, v_expired
+    FROM stock_bucket b WHERE b.tenant_id = p_tenant AND b.bucket_id = p_bucket;
+    IF v_free < p_qty - v_got AND NOT v_expired THEN
+        -- One more look, in a new snapshot, and without SKIP LOCKED: it sees a
+        -- refill that committed after the take's snapshot, and it waits for
+        -- units other buyers have locked (they are not sold until those
+        -- commit; a stored rejection is final for its key, so a rollback must
+        -- not leave this buyer turned away). An empty pool has nothing to wait
+        -- for, so sold out stays cheap.
+        PERFORM 1 FROM stock_unit
+        WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+        ORDER BY unit_id LIMIT p_qty - v_got
+        FOR UPDATE;
+        IF FOUND THEN
+            v_got := v_got + pool_take_units_v1(p_tenant, p_bucket, p_qty - v_got, 0);
+            IF v_got = p_qty THEN
+                ok := true;
+                RETURN;
+            END IF;
+        ELSE
+            -- nothing in the pool, nothing expired: what is free is all there is
+            seen_available := v_free + v_got;
+        END IF;
+        IF v_got > 0 THEN
+            PERFORM bucket_untake_v1(p_tenant, p_bucket, v_got, 'pool');
+        END IF;
+        RETURN;
+    END IF;
+
+    -- Refill inline, one refiller per bucket: the transaction that gets the
+    -- bucket row lock. A buyer that finds it held waits for that transaction
+    -- with a share lock instead: when it commits, every waiter is granted at
+    -- once and takes from what it added. (Queueing for the row lock itself
+    -- would let the waiters through one at a time, each holding the lock
+    -- until it commits: a convoy as slow as the row strategy.) A share lock is
+    -- never upgraded (two waiters doing so would deadlock): a waiter still
+    -- short starts its request again, and the retry either takes, refills, or
+    -- finds the bucket sold out.
+    PERFORM 1 FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+    FOR NO KEY UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        PERFORM 1 FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+        FOR SHARE;
+        v_got := v_got + pool_take_units_v1(p_tenant, p_bucket, p_qty - v_got, 0);
+        IF v_got = p_qty THEN
+            ok := true;
+            RETURN;
+        END IF;
+        RAISE EXCEPTION 'bucket % was being refilled and is still short: retry', p_bucket
+            USING ERRCODE = 'serialization_failure';
+    END IF;
+    -- The bucket is ours: units a refill added just before are visible, so
+    -- take first and refill only if still short.
+    v_got := v_got + pool_take_units_v1(p_tenant, p_bucket, p_qty - v_got, 0);
+    IF v_got = p_qty THEN
+        ok := true;
+        RETURN;
+    END IF;
+    v_rep := pool_replenish_v1(p_tenant, p_bucket, p_qty - v_got, p_now);
+    v_got := v_got + v_rep.direct;
+    IF v_got < p_qty THEN
+        -- Direct units came out of free under the bucket lock this
+        -- transaction holds: put them back there; the rest into the pool.
+        UPDATE stock_bucket SET free = free + v_rep.direct
+        WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+        PERFORM bucket_untake_v1(p_tenant, p_bucket, v_got - v_rep.direct, 'pool');
+        RETURN;
+    END IF;
+    ok := true;
+END $$;
