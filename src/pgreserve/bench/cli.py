@@ -17,6 +17,7 @@ from typing import Any
 import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from ..db import migrate as migrations
 from ..db.embedded import EmbeddedServer
@@ -200,3 +201,89 @@ def _run(dsn: str, scenario: Scenario, quiet: bool, err: Console,
 
 
 bench.add_command(make_flash_sale())
+
+
+@bench.command("server")
+@click.option("--units", type=int, default=5_000, show_default=True,
+              help="Units of the hot SKU (rounded down to a multiple of --clients).")
+@click.option("--requests", "requests_", type=int, default=15_000, show_default=True,
+              help="Reserve requests in all; those beyond the units are sold-out answers.")
+@click.option("--clients", type=int, default=64, show_default=True,
+              help="pgbench clients, one connection each.")
+@click.option("--strategy", type=click.Choice(["row", "pool", "all"]), default="all",
+              show_default=True)
+@click.option("--pool-cap", type=int, default=1_000, show_default=True)
+@click.option("--replenish/--no-replenish", default=True, show_default=True,
+              help="Run the background pool replenisher during pool runs.")
+@click.option("--durable/--no-durable", default=True, show_default=True,
+              help="synchronous_commit on (durable commits) or off.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write every figure to this JSON file.")
+@click.option("--database-url", envvar="PGRESERVE_BENCH_DATABASE_URL", default=None,
+              help="Run against this PostgreSQL instead of a fresh embedded server.")
+def server_bench(units: int, requests_: int, clients: int, strategy: str, pool_cap: int,
+                 replenish: bool, durable: bool, json_path: str | None,
+                 database_url: str | None) -> None:
+    """The flash sale sent by pgbench (C, prepared statements): the server's own rates.
+
+    Phase one sends exactly the units as requests (every one must hold), phase two
+    the rest (every one must be a sold-out answer); exits 1 if any check fails.
+    """
+    from . import server as srv
+
+    strategies = ("row", "pool") if strategy == "all" else (strategy,)
+    try:
+        held, rejections = srv.plan(units, requests_, clients)
+    except InvalidRequest as exc:
+        raise click.BadParameter(exc.message) from None
+    out = Console()
+    err = Console(stderr=True)
+    with _database(database_url, durable) as (dsn, where):
+        migrations.migrate(dsn)
+        err.print(f"[dim]{where}; pgbench, {clients} clients, {held:,} holds then "
+                  f"{rejections:,} sold-out requests per strategy, "
+                  f"synchronous_commit={'on' if durable else 'off'}[/]")
+        runs = []
+        for name in strategies:
+            try:
+                runs.append(asyncio.run(srv.run_server_bench(
+                    dsn, name, units=units, requests=requests_, clients=clients,
+                    pool_cap=pool_cap, replenish=replenish, durable=durable)))
+            except InvalidRequest as exc:
+                raise click.ClickException(exc.message) from None
+    for run in runs:
+        table = Table(title=f"flash sale from pgbench, strategy {run.strategy}",
+                      title_justify="left")
+        table.add_column("figure")
+        table.add_column("value", justify="right")
+        table.add_column("how it is counted")
+        table.add_row("holds", f"{run.held:,}", f"of {run.units:,} phase-one requests")
+        table.add_row("rejected (sold out)", f"{run.rejected:,}",
+                      f"of {run.rejections_sent:,} phase-two requests")
+        for label, phase in (("reservations/s", run.holds), ("rejections/s", run.sold_out)):
+            if phase is not None:
+                table.add_row(label, f"{phase.tps:,.1f}",
+                              f"pgbench tps; latency average {phase.latency_ms:.2f} ms; "
+                              f"{phase.retried} retried, {phase.failed} failed")
+        if run.strategy == "pool":
+            table.add_row("background refills", f"{run.background_refills:,}", "")
+        failed = [name for name, ok in run.invariants.items() if not ok]
+        table.add_row("invariants", "[green]ok[/]" if run.invariants_ok else "[red]FAILED[/]",
+                      ", ".join(failed) if failed else "counts, books, service checks")
+        out.print(table)
+        for violation in run.violations[:10]:
+            out.print(f"  [red]violation[/] {violation}")
+    figures = srv.ratios(runs)
+    out.print("[bold]ratios[/]")
+    for name, value in figures.items():
+        out.print(f"  {name}: {'n/a' if value is None else f'{value:.2f}'}")
+    if json_path:
+        report.write_json(json_path, {
+            "runs": [run.to_dict() for run in runs], "ratios": figures,
+            "config": {"client": "pgbench (prepared)", "units": held, "rejections": rejections,
+                       "clients": clients, "pool_cap": pool_cap, "replenish": replenish,
+                       "durable": durable, "database": where}})
+        err.print(f"wrote {json_path}")
+    if not all(run.invariants_ok for run in runs):
+        err.print("[bold red]invariants failed[/]")
+        raise SystemExit(1)
