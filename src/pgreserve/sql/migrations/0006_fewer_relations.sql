@@ -19,6 +19,15 @@
 -- refill, the queued buyers went through one at a time. Now only the refiller
 -- takes the row lock; the others wait for it with a share lock and are all
 -- let through together (see bucket_take_v1).
+--
+-- Giving up expired holds under the bucket lock is bounded: in batches of 500
+-- lines, until the caller has what it can use (a row take: its quantity; a
+-- refill: its direct units plus the pool's cap). It used to give up every
+-- expired hold of the bucket at once: after the sweeper had been stopped for
+-- a while, one buyer spent seconds on it under the bucket lock while every
+-- other buyer of the bucket ran into lock_timeout. What is left stays
+-- available (expired holds count as available) for the next short take or the
+-- sweeper.
 
 CREATE OR REPLACE FUNCTION reserve_v1(p_tenant bigint, p_key text, p_digest text,
                            p_skus text[], p_locations text[], p_quantities integer[],
@@ -210,6 +219,87 @@ ALTER FUNCTION reserve_v1(bigint, text, text, text[], text[], integer[], interva
 ALTER FUNCTION reserve_v1(bigint, text, text, text[], text[], integer[], interval, timestamptz)
     SET enable_seqscan = off;
 
+CREATE FUNCTION bucket_reclaim_expired_v1(p_tenant bigint, p_bucket bigint, p_now timestamptz,
+                                          p_enough bigint)
+RETURNS bigint LANGUAGE plpgsql AS $$
+DECLARE
+    v_units bigint := 0;
+    v_batch_units bigint;
+    v_batch_lines integer;
+BEGIN
+    LOOP
+        WITH due AS (
+            SELECT l.tenant_id, l.reservation_id, l.line_no
+            FROM reservation_line l
+            WHERE l.tenant_id = p_tenant AND l.bucket_id = p_bucket
+              AND l.held AND l.expires_at <= p_now
+            LIMIT 500
+            FOR UPDATE SKIP LOCKED
+        ), given_up AS (
+            UPDATE reservation_line l SET held = false
+            FROM due
+            WHERE (l.tenant_id, l.reservation_id, l.line_no)
+                = (due.tenant_id, due.reservation_id, due.line_no)
+            RETURNING l.reservation_id, l.line_no, l.quantity
+        ), logged AS (
+            INSERT INTO stock_movement (tenant_id, bucket_id, kind, quantity, reservation_id,
+                                        line_no, reason)
+            SELECT p_tenant, p_bucket, 'restore', quantity, reservation_id, line_no, 'expired'
+            FROM given_up
+            RETURNING quantity
+        )
+        SELECT count(*), coalesce(sum(quantity), 0) INTO v_batch_lines, v_batch_units
+        FROM logged;
+        v_units := v_units + v_batch_units;
+        EXIT WHEN v_batch_lines < 500 OR v_units >= p_enough;
+    END LOOP;
+    RETURN v_units;
+END $$;
+
+-- (bucket_take_v1 below and pool_replenish_v1 call the bounded version)
+DROP FUNCTION bucket_reclaim_expired_v1(bigint, bigint, timestamptz);
+
+CREATE OR REPLACE FUNCTION pool_replenish_v1(p_tenant bigint, p_bucket bigint, p_need integer,
+                                  p_now timestamptz,
+                                  OUT added integer, OUT direct integer)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_free bigint;
+    v_cap integer;
+    v_strategy text;
+    v_pool bigint;
+    v_reclaimed bigint;
+BEGIN
+    added := 0;
+    direct := 0;
+    SELECT free, pool_cap, strategy INTO v_free, v_cap, v_strategy
+    FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+    FOR NO KEY UPDATE;
+    IF NOT FOUND OR v_strategy <> 'pool' THEN
+        RETURN;
+    END IF;
+    -- enough for what this refill can place: the direct units and a full pool
+    v_reclaimed := bucket_reclaim_expired_v1(p_tenant, p_bucket, p_now, p_need::bigint + v_cap);
+    v_free := v_free + v_reclaimed;
+    direct := least(v_free, p_need);
+    SELECT count(*) INTO v_pool FROM stock_unit
+    WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+    added := greatest(0, least(v_free - direct, v_cap - v_pool));
+    IF added > 0 THEN
+        INSERT INTO stock_unit (tenant_id, bucket_id)
+        SELECT p_tenant, p_bucket FROM generate_series(1, added);
+    END IF;
+    IF v_reclaimed <> 0 OR added <> 0 OR direct <> 0 THEN
+        UPDATE stock_bucket
+        SET free = v_free - added - direct, updated_at = p_now,
+            pool_lo = coalesce((SELECT min(unit_id) FROM stock_unit
+                                WHERE tenant_id = p_tenant AND bucket_id = p_bucket), 0),
+            pool_hi = coalesce((SELECT max(unit_id) FROM stock_unit
+                                WHERE tenant_id = p_tenant AND bucket_id = p_bucket), 0)
+        WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+    END IF;
+END $$;
+
 CREATE OR REPLACE FUNCTION bucket_take_v1(p_tenant bigint, p_bucket bigint, p_qty integer,
                                p_now timestamptz, p_strategy text DEFAULT NULL,
                                p_lo bigint DEFAULT NULL, p_hi bigint DEFAULT NULL,
@@ -257,7 +347,7 @@ BEGIN
             END IF;
             PERFORM 1 FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
             FOR NO KEY UPDATE;
-            v_reclaimed := bucket_reclaim_expired_v1(p_tenant, p_bucket, p_now);
+            v_reclaimed := bucket_reclaim_expired_v1(p_tenant, p_bucket, p_now, p_qty);
             UPDATE stock_bucket SET free = free + v_reclaimed
             WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
             UPDATE stock_bucket SET free = free - p_qty
