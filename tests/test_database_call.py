@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
+from test_literals import HOSTILE
 
 from pgreserve import Database
 from pgreserve.db.database import _Statement
-from test_literals import HOSTILE
 
 
 def test_statement_splits_at_placeholders_only() -> None:
@@ -24,7 +24,7 @@ def test_named_placeholders_are_refused() -> None:
 
 
 async def test_values_of_every_kind_come_back_as_sent(db: Database) -> None:
-    when = datetime(2026, 11, 30, 12, 0, 0, 123456, tzinfo=timezone.utc)
+    when = datetime(2026, 11, 30, 12, 0, 0, 123456, tzinfo=UTC)
     values = [1, -5, 2**62, None, True, uuid.uuid4(), when, timedelta(seconds=90), *HOSTILE]
     for value in values:
         assert await db.call("SELECT %s", (value,)) == value

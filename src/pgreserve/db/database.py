@@ -7,14 +7,14 @@ import json
 import logging
 import random
 import re
-from collections.abc import Mapping, Sequence
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, LiteralString, cast
 
 import psycopg
 from psycopg import generators, pq
 from psycopg import sql as sql_
+from psycopg.abc import Transformer as _Adapt
 from psycopg.adapt import Transformer
 from psycopg_pool import AsyncConnectionPool
 
@@ -312,7 +312,7 @@ class _Statement:
         parts[-1] += text[at:]
         return cls(tuple(parts))
 
-    def render(self, adapt: Transformer, params: Sequence[Any]) -> bytes:
+    def render(self, adapt: _Adapt, params: Sequence[Any]) -> bytes:
         if len(params) != len(self.parts) - 1:
             raise psycopg.ProgrammingError(
                 f"the statement has {len(self.parts) - 1} placeholders"
