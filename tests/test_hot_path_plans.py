@@ -132,3 +132,23 @@ async def test_a_row_hold_opens_no_pool_partition(dsn: str) -> None:
             pool_opened = pool_indexes_opened(conn, call, (tenant.id, f"p{i}", "{p}"))
     assert row_opened == 0
     assert pool_opened == 1
+
+
+async def test_only_a_rejection_commits_without_waiting_for_its_flush(dsn: str) -> None:
+    """A transaction that took nothing records its answer with an asynchronous commit; a hold
+    keeps the session's durable commit."""
+    async with Database(dsn, min_size=1, max_size=1) as db:
+        service = ReservationService(db)
+        tenant = await service.create_tenant("commit-mode")
+        await service.set_stock(tenant.id, "one", "w", 1)
+        await service.set_stock(tenant.id, "none", "w", 0)
+    call = "SELECT reserve_v1(%s, %s, 'd', %s::text[], '{w}', '{1}', '15 minutes')"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SET synchronous_commit = on")  # the session's (the test server is off)
+        conn.autocommit = False
+        conn.execute(call, (tenant.id, "no", "{none}"))
+        assert conn.execute("SHOW synchronous_commit").fetchone() == ("off",)
+        conn.rollback()
+        conn.execute(call, (tenant.id, "yes", "{one}"))
+        assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
+        conn.rollback()

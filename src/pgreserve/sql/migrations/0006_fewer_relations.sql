@@ -25,6 +25,12 @@
 -- clients, three alternating pairs: 5-8% more holds/s, 40-65 us less server
 -- CPU per hold.
 --
+-- The advisory lock on the request key and the asynchronous commit of a
+-- rejection are set by assignments, which PL/pgSQL evaluates as simple
+-- expressions, instead of PERFORM, which starts the executor: pgbench, three
+-- alternating pairs, 184-167-177 us server CPU per sold-out answer against
+-- 186-207-206.
+--
 -- Giving up expired holds under the bucket lock is bounded: in batches of 500
 -- lines, until the caller has what it can use (a row take: its quantity; a
 -- refill: its direct units plus the pool's cap). It used to give up every
@@ -40,6 +46,7 @@ CREATE OR REPLACE FUNCTION reserve_v1(p_tenant bigint, p_key text, p_digest text
 RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
     v_now timestamptz := coalesce(p_now, clock_timestamp());
+    v_void text;
     v_prior request_ledger;
     v_buckets bigint[];
     v_strategies text[];
@@ -69,7 +76,9 @@ BEGIN
     -- Transaction-scoped, so it needs no session state; a hash collision only
     -- serialises two unrelated requests, and the ledger's unique key stays the
     -- guarantee.
-    PERFORM pg_advisory_xact_lock(hashtextextended(p_key, p_tenant));
+    -- (an assignment, not PERFORM: PL/pgSQL evaluates a simple expression
+    -- without starting the executor; the void result is cast to text)
+    v_void := pg_advisory_xact_lock(hashtextextended(p_key, p_tenant))::text;
     -- (ledger_check_v1, inline: this is the hottest path)
     SELECT * INTO v_prior FROM request_ledger WHERE tenant_id = p_tenant AND request_key = p_key;
     IF FOUND THEN
@@ -179,7 +188,7 @@ BEGIN
         -- need not wait for its WAL to reach disk (sold out must be cheap). A
         -- crash in the next few hundred milliseconds can lose the record;
         -- nothing else is lost, and a retry of the key then runs afresh.
-        PERFORM set_config('synchronous_commit', 'off', true);
+        v_void := set_config('synchronous_commit', 'off', true);
         -- (ledger_record_v1, inline)
         INSERT INTO request_ledger (tenant_id, request_key, operation, digest, status, outcome)
         VALUES (p_tenant, p_key, 'reserve', p_digest, v_status, v_outcome)
