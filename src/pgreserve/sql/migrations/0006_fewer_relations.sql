@@ -338,6 +338,7 @@ DECLARE
     v_rep record;
     v_reclaimed bigint;
     v_expired boolean;
+    v_refiller boolean;
 BEGIN
     ok := false;
     IF v_strategy IS NULL THEN
@@ -438,23 +439,21 @@ BEGIN
     -- finds the bucket sold out.
     PERFORM 1 FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
     FOR NO KEY UPDATE SKIP LOCKED;
-    IF NOT FOUND THEN
+    v_refiller := FOUND;
+    IF NOT v_refiller THEN
         PERFORM 1 FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
         FOR SHARE;
-        v_got := v_got + pool_take_units_v1(p_tenant, p_bucket, p_qty - v_got, 0);
-        IF v_got = p_qty THEN
-            ok := true;
-            RETURN;
-        END IF;
-        RAISE EXCEPTION 'bucket % was being refilled and is still short: retry', p_bucket
-            USING ERRCODE = 'serialization_failure';
     END IF;
-    -- The bucket is ours: units a refill added just before are visible, so
-    -- take first and refill only if still short.
+    -- Either way, units a refill added just before are visible now: take
+    -- first; only the refiller refills if still short.
     v_got := v_got + pool_take_units_v1(p_tenant, p_bucket, p_qty - v_got, 0);
     IF v_got = p_qty THEN
         ok := true;
         RETURN;
+    END IF;
+    IF NOT v_refiller THEN
+        RAISE EXCEPTION 'bucket % was being refilled and is still short: retry', p_bucket
+            USING ERRCODE = 'serialization_failure';
     END IF;
     v_rep := pool_replenish_v1(p_tenant, p_bucket, p_qty - v_got, p_now);
     v_got := v_got + v_rep.direct;
