@@ -24,7 +24,7 @@ from ..db.embedded import EmbeddedServer
 from ..errors import InvalidRequest
 from . import report
 from .http import HttpTarget
-from .results import RunResult
+from .results import RunResult, ratios
 from .runner import BeforeCheck, run_scenario
 from .scenario import Scenario
 
@@ -273,7 +273,7 @@ def server_bench(units: int, requests_: int, clients: int, strategy: str, pool_c
         out.print(table)
         for violation in run.violations[:10]:
             out.print(f"  [red]violation[/] {violation}")
-    figures = srv.ratios(runs)
+    figures = ratios(runs)
     out.print("[bold]ratios[/]")
     for name, value in figures.items():
         out.print(f"  {name}: {'n/a' if value is None else f'{value:.2f}'}")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from hdrh.histogram import HdrHistogram
 
@@ -264,7 +265,20 @@ class RunResult:
         }
 
 
-def ratios(runs: list[RunResult]) -> dict[str, float | None]:
+class Rated(Protocol):
+    """What ratios() reads of a run (a RunResult, or a server bench's ServerRun)."""
+
+    @property
+    def strategy(self) -> str: ...
+
+    @property
+    def reservations_per_s(self) -> float | None: ...
+
+    @property
+    def rejections_per_s(self) -> float | None: ...
+
+
+def ratios(runs: Sequence[Rated]) -> dict[str, float | None]:
     """pool/row reservations per second, and each strategy's rejections/s over reservations/s."""
     by = {r.strategy: r for r in runs}
     out: dict[str, float | None] = {}

@@ -159,9 +159,8 @@ async def run_strategy(dsn: str, scenario: Scenario, strategy: str, *,
 
         if before_check is not None:
             await before_check(CheckContext(dsn, tenant.id, strategy))
-        result.ledger = await _ledger(admin, tenant.id)
-        result.violations = [f"{v.sku}@{v.location} {v.rule}: {v.detail}"
-                             for v in await service.invariant_violations(tenant.id)]
+        result.ledger = await read_ledger(admin, tenant.id)
+        result.violations = await violation_lines(service, tenant.id)
     return result
 
 
@@ -345,7 +344,8 @@ async def _watch_dead_tuples(dsn: str, stop: asyncio.Event, every_s: float = 0.5
     return peak
 
 
-async def _ledger(db: Database, tenant: int) -> Ledger:
+async def read_ledger(db: Database, tenant: int) -> Ledger:
+    """The tenant's books, read in one statement."""
     rows = await db.fetch(
         """SELECT
              (SELECT coalesce(sum(on_hand), 0) FROM stock_bucket WHERE tenant_id = %(t)s),
@@ -360,3 +360,9 @@ async def _ledger(db: Database, tenant: int) -> Ledger:
         {"t": tenant},
     )
     return Ledger(*(int(v) for v in rows[0]))
+
+
+async def violation_lines(service: ReservationService, tenant: int) -> list[str]:
+    """What the service's invariant checks find for the tenant, one line each."""
+    return [f"{v.sku}@{v.location} {v.rule}: {v.detail}"
+            for v in await service.invariant_violations(tenant)]

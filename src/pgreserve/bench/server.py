@@ -30,7 +30,7 @@ from ..db.database import Database
 from ..errors import InvalidRequest
 from ..workers.base import run_forever
 from ..workers.replenisher import Replenisher
-from .runner import ADMIN_APP, with_commit_mode
+from .runner import ADMIN_APP, read_ledger, violation_lines, with_commit_mode
 
 SKU, LOCATION = "hot", "wh"
 KEY_PREFIX = "pgbench-"
@@ -218,26 +218,7 @@ async def run_server_bench(dsn: str, strategy: str, *, units: int, requests: int
             " FROM request_ledger WHERE tenant_id = %s AND request_key LIKE %s",
             (tenant.id, KEY_PREFIX + "%"))
         run.held, run.rejected = int(rows[0][0]), int(rows[0][1])
-        rows = await admin.fetch(
-            "SELECT coalesce(sum(quantity), 0) FROM reservation_line"
-            " WHERE tenant_id = %s AND held", (tenant.id,))
-        run.held_units = int(rows[0][0])
-        run.violations = [f"{v.sku}@{v.location} {v.rule}: {v.detail}"
-                          for v in await service.invariant_violations(tenant.id)]
+        run.held_units = (await read_ledger(admin, tenant.id)).held
+        run.violations = await violation_lines(service, tenant.id)
     return run
 
-
-def ratios(runs: list[ServerRun]) -> dict[str, float | None]:
-    by = {r.strategy: r for r in runs}
-    out: dict[str, float | None] = {}
-    if "row" in by and "pool" in by:
-        out["pool_over_row_reservations_per_s"] = _div(by["pool"].reservations_per_s,
-                                                       by["row"].reservations_per_s)
-    for run in runs:
-        out[f"{run.strategy}_rejections_over_reservations_per_s"] = _div(
-            run.rejections_per_s, run.reservations_per_s)
-    return out
-
-
-def _div(a: float | None, b: float | None) -> float | None:
-    return None if a is None or not b else a / b
