@@ -58,7 +58,17 @@ def with_http(f: Any) -> Any:
     return f
 
 
-@click.group()
+class _Group(click.Group):
+    """The top-level group: a schema the runner refuses is a message, not a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except errors.MigrationError as exc:
+            raise click.ClickException(exc.message) from None
+
+
+@click.group(cls=_Group)
 @click.option("-v", "--verbose", is_flag=True, help="Log more.")
 def main(verbose: bool) -> None:
     """pgreserve: inventory reservations inside PostgreSQL."""
@@ -71,14 +81,12 @@ def main(verbose: bool) -> None:
 def migrate(database_url: str | None, data_dir: str | None) -> None:
     """Apply pending schema migrations (safe to run concurrently and repeatedly)."""
     with _dsn(database_url, data_dir) as dsn:
-        try:
-            applied = migrations.migrate(dsn)
-        except errors.MigrationError as exc:
-            raise click.ClickException(str(exc)) from None
-    if applied:
-        for m in applied:
-            click.echo(f"applied {m.version:04d}_{m.name}")
-    else:
+        applied = migrations.migrate_all(dsn)
+    for m in applied.migrations:
+        click.echo(f"applied {m.version:04d}_{m.name}")
+    for f in applied.functions:
+        click.echo(f"applied functions/{f.name}.sql")
+    if not applied.migrations and not applied.functions:
         click.echo("schema is up to date")
 
 

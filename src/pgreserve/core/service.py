@@ -2,7 +2,7 @@
 
 Each operation validates its input in Python, then makes exactly one call to a
 server-side function that does the whole transaction (see
-sql/migrations/0002_functions.sql). Python never decides whether there is
+sql/functions/). Python never decides whether there is
 enough stock; the conditional writes in the database do.
 """
 

@@ -22,7 +22,7 @@ from .. import errors
 
 log = logging.getLogger(__name__)
 
-# Typed failures raised by the SQL functions (see 0002_functions.sql).
+# Typed failures raised by the SQL functions (sql/functions/).
 _SQLSTATE_ERRORS: dict[str, type[errors.PgReserveError]] = {
     "PR401": errors.UnknownTenant,
     "PR404": errors.UnknownStock,

@@ -1,19 +1,38 @@
-"""Versioned .sql migrations with recorded checksums; one runner at a time."""
+"""The schema runner: versioned migrations for tables, then the function files.
+
+Migrations (`sql/migrations/NNNN_name.sql`) hold tables, indexes, partitions
+and data changes, and never change once applied (their checksums are
+recorded). Every function and trigger is defined once, in
+`sql/functions/<noun>.sql`, with `CREATE OR REPLACE`; after the migrations the
+runner re-applies each function file whose checksum differs from the one it
+recorded. Both steps run in one transaction under one advisory lock, so a
+second runner waits and then finds nothing to do.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 
 import psycopg
 
 from ..errors import MigrationError
+from .queries import queries
 
 # Any constant works: all runners of one database take the same lock.
 _LOCK_KEY = 0x70677265_73657276  # "pgreserv"
 _NAME = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+_FUNCTION_FILE = re.compile(r"^([a-z0-9_]+)\.sql$")
+
+# The first migration of the unreleased development history that the baseline
+# replaced. A database made by it has another schema under the same versions.
+_LEGACY_FIRST = "core"
+
+
+def _checksum(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -24,7 +43,25 @@ class Migration:
 
     @property
     def checksum(self) -> str:
-        return hashlib.sha256(self.sql.encode()).hexdigest()
+        return _checksum(self.sql)
+
+
+@dataclass(frozen=True)
+class FunctionFile:
+    name: str
+    sql: str
+
+    @property
+    def checksum(self) -> str:
+        return _checksum(self.sql)
+
+
+@dataclass
+class Applied:
+    """What one run applied: pending migrations, then changed function files."""
+
+    migrations: list[Migration] = field(default_factory=list)
+    functions: list[FunctionFile] = field(default_factory=list)
 
 
 def available() -> list[Migration]:
@@ -41,59 +78,93 @@ def available() -> list[Migration]:
     return found
 
 
-def migrate(conninfo: str) -> list[Migration]:
-    """Apply pending migrations in one transaction; return the ones applied.
+def function_files() -> list[FunctionFile]:
+    """The function files, in name order (the order they are applied in)."""
+    found = []
+    folder = resources.files("pgreserve") / "sql" / "functions"
+    for entry in folder.iterdir():
+        match = _FUNCTION_FILE.match(entry.name)
+        if match:
+            found.append(FunctionFile(match[1], entry.read_text(encoding="utf-8")))
+    found.sort(key=lambda f: f.name)
+    return found
 
-    A transaction-scoped advisory lock makes a second runner wait, after which
-    it finds nothing left to do. Checksums of applied files are verified first.
-    """
+
+def migrate(conninfo: str, *, target: int | None = None) -> list[Migration]:
+    """Apply pending migrations (up to `target`) and changed function files;
+    return the migrations applied."""
+    return migrate_all(conninfo, target=target).migrations
+
+
+def migrate_all(conninfo: str, *, target: int | None = None) -> Applied:
+    """Apply pending migrations (up to `target`, default all), then every
+    function file whose checksum changed, in one transaction."""
     files = available()
+    if target is not None:
+        files = [m for m in files if m.version <= target]
+    done = Applied()
     with psycopg.connect(conninfo, autocommit=True) as conn:
         with conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (_LOCK_KEY,))
-            conn.execute(
-                """CREATE TABLE IF NOT EXISTS pgreserve_migration (
-                       version    integer PRIMARY KEY,
-                       name       text NOT NULL,
-                       checksum   text NOT NULL,
-                       applied_at timestamptz NOT NULL DEFAULT now())"""
-            )
+            conn.execute(queries["schema_lock"], (_LOCK_KEY,))
+            conn.execute(queries["schema_migration_table_create"])
+            conn.execute(queries["schema_function_file_table_create"])
             applied = {
-                row[0]: (row[1], row[2])
-                for row in conn.execute(
-                    "SELECT version, name, checksum FROM pgreserve_migration"
-                ).fetchall()
+                int(row[0]): (str(row[1]), str(row[2]))
+                for row in conn.execute(queries["schema_migration_list"]).fetchall()
             }
-            by_version = {m.version: m for m in files}
-            for version, (name, checksum) in sorted(applied.items()):
-                migration = by_version.get(version)
-                if migration is None:
-                    raise MigrationError(
-                        f"migration {version:04d}_{name} is applied but its file is missing"
-                    )
-                if migration.checksum != checksum:
-                    raise MigrationError(
-                        f"migration {version:04d}_{name}.sql changed after it was applied "
-                        f"(recorded {checksum[:12]}, file {migration.checksum[:12]})"
-                    )
-            pending = [m for m in files if m.version not in applied]
-            for migration in pending:
+            _check_applied(applied, {m.version: m for m in available()})
+            for migration in files:
+                if migration.version in applied:
+                    continue
                 conn.execute(migration.sql.encode())
-                conn.execute(
-                    "INSERT INTO pgreserve_migration (version, name, checksum) VALUES (%s, %s, %s)",
-                    (migration.version, migration.name, migration.checksum),
-                )
-    return pending
+                conn.execute(queries["schema_migration_record"],
+                             (migration.version, migration.name, migration.checksum))
+                done.migrations.append(migration)
+            recorded = {
+                str(row[0]): str(row[1])
+                for row in conn.execute(queries["schema_function_file_list"]).fetchall()
+            }
+            for function_file in function_files():
+                if recorded.get(function_file.name) == function_file.checksum:
+                    continue
+                try:
+                    conn.execute(function_file.sql.encode())
+                except psycopg.errors.Error as exc:
+                    raise MigrationError(
+                        f"functions/{function_file.name}.sql failed: {exc}") from exc
+                conn.execute(queries["schema_function_file_record"],
+                             (function_file.name, function_file.checksum))
+                done.functions.append(function_file)
+    return done
+
+
+def _check_applied(applied: dict[int, tuple[str, str]], by_version: dict[int, Migration]) -> None:
+    if applied.get(1, ("",))[0] == _LEGACY_FIRST:
+        raise MigrationError(
+            "this database was created by pgreserve's unreleased development schema "
+            "(migrations 0001_core to 0006_fewer_relations), which the 0001_baseline "
+            "migration replaced; it cannot be upgraded. Recreate it: drop the database "
+            "(for the embedded server, remove its data directory) and run "
+            "`pgreserve migrate` again.")
+    for version, (name, checksum) in sorted(applied.items()):
+        migration = by_version.get(version)
+        if migration is None:
+            raise MigrationError(
+                f"migration {version:04d}_{name} is applied but its file is missing"
+            )
+        if migration.checksum != checksum:
+            raise MigrationError(
+                f"migration {version:04d}_{name}.sql changed after it was applied "
+                f"(recorded {checksum[:12]}, file {migration.checksum[:12]})"
+            )
 
 
 def applied_versions(conninfo: str) -> list[tuple[int, str, str]]:
     with psycopg.connect(conninfo) as conn:
-        exists = conn.execute("SELECT to_regclass('pgreserve_migration')").fetchone()
+        exists = conn.execute(queries["schema_migration_table_exists"]).fetchone()
         if not exists or exists[0] is None:
             return []
         return [
             (int(r[0]), str(r[1]), str(r[2]))
-            for r in conn.execute(
-                "SELECT version, name, checksum FROM pgreserve_migration ORDER BY version"
-            ).fetchall()
+            for r in conn.execute(queries["schema_migration_list"]).fetchall()
         ]

@@ -1,11 +1,13 @@
--- pgreserve core schema: tenants, stock buckets, the unit pool, reservations
--- and their lines, the request ledger, stock movements and the event outbox.
+-- pgreserve baseline schema: tenants, stock buckets, the unit pool, reservations
+-- and their lines, the request ledger, stock movements, the event outbox, API
+-- keys and webhooks. Tables, indexes and partitions only: every function and
+-- trigger is defined once, in sql/functions/, and applied after the migrations.
 --
 -- Every key starts with tenant_id and every hot query is pinned to one tenant,
 -- so the schema can later be distributed by tenant.
 --
--- Accounting identity, kept by every function below and checked by
--- invariants_v1:  on_hand = free + pool + held
+-- Accounting identity, kept by every function and checked by
+-- invariant_violations_v1:  on_hand = free + pool + held
 --   free  units neither held nor in the pool (stock_bucket.free)
 --   pool  rows in stock_unit for the bucket (pool strategy only)
 --   held  sum of quantity of reservation lines with held = true
@@ -108,27 +110,6 @@ CREATE TABLE reservation (
 
 CREATE INDEX reservation_due_idx ON reservation (expires_at) WHERE status = 'active';
 
--- Only active -> claimed | released | expired, plus expired -> claimed (a late
--- claim that could take every line again); nothing else ever changes state.
-CREATE FUNCTION reservation_transition_guard() RETURNS trigger
-LANGUAGE plpgsql AS $$
-BEGIN
-    IF NEW.status IS DISTINCT FROM OLD.status AND OLD.status <> 'active'
-       AND NOT (OLD.status = 'expired' AND NEW.status = 'claimed') THEN
-        RAISE EXCEPTION 'reservation % cannot move from % to %',
-            OLD.reservation_id, OLD.status, NEW.status
-            USING ERRCODE = 'check_violation';
-    END IF;
-    IF OLD.status <> 'active' AND NEW.expires_at IS DISTINCT FROM OLD.expires_at THEN
-        RAISE EXCEPTION 'reservation % is % and cannot be extended',
-            OLD.reservation_id, OLD.status USING ERRCODE = 'check_violation';
-    END IF;
-    RETURN NEW;
-END $$;
-
-CREATE TRIGGER reservation_transition_guard BEFORE UPDATE ON reservation
-    FOR EACH ROW EXECUTE FUNCTION reservation_transition_guard();
-
 CREATE TABLE reservation_line (
     tenant_id      bigint NOT NULL,
     reservation_id uuid NOT NULL,
@@ -146,19 +127,6 @@ CREATE TABLE reservation_line (
 
 CREATE INDEX reservation_line_held_idx
     ON reservation_line (tenant_id, bucket_id, expires_at) WHERE held;
-
-CREATE FUNCTION reservation_line_held_guard() RETURNS trigger
-LANGUAGE plpgsql AS $$
-BEGIN
-    IF NEW.held AND NOT OLD.held THEN
-        RAISE EXCEPTION 'line % of reservation % was already given up',
-            OLD.line_no, OLD.reservation_id USING ERRCODE = 'check_violation';
-    END IF;
-    RETURN NEW;
-END $$;
-
-CREATE TRIGGER reservation_line_held_guard BEFORE UPDATE ON reservation_line
-    FOR EACH ROW EXECUTE FUNCTION reservation_line_held_guard();
 
 -- One row per request key: the digest of the parameters, the status and the
 -- stored outcome, written in the same transaction as the effect.
@@ -198,7 +166,7 @@ CREATE UNIQUE INDEX stock_movement_sale_once
 CREATE INDEX stock_movement_bucket_idx ON stock_movement (tenant_id, bucket_id);
 
 -- The outbox, written in the same transaction as each change. xid orders the
--- feed by commit safely (see docs/events.md).
+-- feed by commit safely (see "Events" in docs/api.md).
 CREATE TABLE outbox_event (
     tenant_id  bigint NOT NULL,
     -- A cached sequence hands each backend its own block of ids, so
@@ -214,3 +182,66 @@ CREATE TABLE outbox_event (
 );
 
 CREATE INDEX outbox_event_feed_idx ON outbox_event (tenant_id, xid, event_id);
+
+-- The request ledger's and the outbox's documents are never searched by value:
+-- no statistics for them (sorting thousands of jsonb values under load showed
+-- as a visible share of the server's time).
+ALTER TABLE request_ledger ALTER COLUMN outcome SET STATISTICS 0;
+ALTER TABLE request_ledger ALTER COLUMN digest SET STATISTICS 0;
+ALTER TABLE outbox_event ALTER COLUMN payload SET STATISTICS 0;
+
+-- API keys.
+--
+-- API keys are stored as the sha256 of the key, never the key itself: a leaked
+-- table does not let anyone call the API. A tenant may have several keys.
+
+CREATE TABLE api_key (
+    tenant_id  bigint NOT NULL REFERENCES tenant,
+    key_hash   bytea NOT NULL PRIMARY KEY CHECK (length(key_hash) = 32),
+    created_at timestamptz NOT NULL DEFAULT now(),
+    revoked_at timestamptz
+);
+
+CREATE INDEX api_key_tenant_idx ON api_key (tenant_id);
+
+-- Webhooks: endpoints a tenant registers, and one delivery cursor per endpoint.
+--
+-- Delivery state lives in webhook_delivery, never in the tables a reservation
+-- writes: a dead or slow endpoint cannot make a reservation wait. The worker
+-- claims a cursor row with FOR UPDATE SKIP LOCKED in a short transaction and
+-- leases it (lease_token, next_attempt_at = end of the lease); the HTTP request
+-- is sent with no transaction open, so no xid is held while it waits (an open
+-- xid would hold back pg_snapshot_xmin and with it every tenant's event feed).
+-- Only the lease holder may move the cursor (every update checks the token), so
+-- an endpoint's events go out one at a time, in feed order.
+--
+-- The signing secret is stored as is: HMAC needs it to sign each delivery.
+
+CREATE TABLE webhook_endpoint (
+    tenant_id   bigint NOT NULL REFERENCES tenant,
+    endpoint_id bigint GENERATED BY DEFAULT AS IDENTITY,
+    url         text NOT NULL CHECK (length(url) BETWEEN 8 AND 2000 AND url ~* '^https?://'),
+    secret      text NOT NULL CHECK (length(secret) BETWEEN 16 AND 200),
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (tenant_id, endpoint_id)
+);
+
+CREATE TABLE webhook_delivery (
+    tenant_id       bigint NOT NULL,
+    endpoint_id     bigint NOT NULL,
+    -- the last event delivered (acknowledged with a 2xx), as in the event feed
+    cursor_xid      xid8 NOT NULL,
+    cursor_event_id bigint NOT NULL,
+    delivered       bigint NOT NULL DEFAULT 0,
+    attempts        integer NOT NULL DEFAULT 0,  -- failed attempts at the next event
+    last_error      text,
+    last_attempt_at timestamptz,
+    last_success_at timestamptz,
+    -- when a worker may next claim the row: after a backoff, or when a lease ends
+    next_attempt_at timestamptz NOT NULL DEFAULT now(),
+    lease_token     uuid,
+    PRIMARY KEY (tenant_id, endpoint_id),
+    FOREIGN KEY (tenant_id, endpoint_id) REFERENCES webhook_endpoint ON DELETE CASCADE
+);
+
+CREATE INDEX webhook_delivery_due_idx ON webhook_delivery (next_attempt_at);

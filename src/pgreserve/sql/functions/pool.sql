@@ -1,0 +1,113 @@
+-- Take up to p_qty pool units of one bucket, starting at p_start and wrapping
+-- around: lock with SKIP LOCKED and delete in one statement. Returns how many.
+CREATE OR REPLACE FUNCTION pool_take_units_v1(p_tenant bigint, p_bucket bigint, p_qty integer,
+                                   p_start bigint)
+RETURNS integer LANGUAGE plpgsql AS $$
+DECLARE
+    v_n integer;
+    v_more integer;
+BEGIN
+    WITH picked AS (
+        SELECT unit_id FROM stock_unit
+        WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND unit_id >= p_start
+        ORDER BY unit_id
+        LIMIT p_qty
+        FOR UPDATE SKIP LOCKED
+    ), taken AS (
+        DELETE FROM stock_unit u USING picked
+        WHERE u.tenant_id = p_tenant AND u.bucket_id = p_bucket AND u.unit_id = picked.unit_id
+        RETURNING 1
+    )
+    SELECT count(*) INTO v_n FROM taken;
+    IF v_n < p_qty AND p_start > 0 THEN
+        WITH picked AS (
+            SELECT unit_id FROM stock_unit
+            WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND unit_id < p_start
+            ORDER BY unit_id
+            LIMIT p_qty - v_n
+            FOR UPDATE SKIP LOCKED
+        ), taken AS (
+            DELETE FROM stock_unit u USING picked
+            WHERE u.tenant_id = p_tenant AND u.bucket_id = p_bucket
+              AND u.unit_id = picked.unit_id
+            RETURNING 1
+        )
+        SELECT count(*) INTO v_more FROM taken;
+        v_n := v_n + v_more;
+    END IF;
+    RETURN v_n;
+END $$;
+
+CREATE OR REPLACE FUNCTION pool_replenish_v1(p_tenant bigint, p_bucket bigint, p_need integer,
+                                  p_now timestamptz,
+                                  OUT added integer, OUT direct integer)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_free bigint;
+    v_cap integer;
+    v_strategy text;
+    v_pool bigint;
+    v_reclaimed bigint;
+BEGIN
+    added := 0;
+    direct := 0;
+    SELECT free, pool_cap, strategy INTO v_free, v_cap, v_strategy
+    FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+    FOR NO KEY UPDATE;
+    IF NOT FOUND OR v_strategy <> 'pool' THEN
+        RETURN;
+    END IF;
+    -- enough for what this refill can place: the direct units and a full pool
+    v_reclaimed := bucket_reclaim_expired_v1(p_tenant, p_bucket, p_now, p_need::bigint + v_cap);
+    v_free := v_free + v_reclaimed;
+    direct := least(v_free, p_need);
+    SELECT count(*) INTO v_pool FROM stock_unit
+    WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+    added := greatest(0, least(v_free - direct, v_cap - v_pool));
+    IF added > 0 THEN
+        INSERT INTO stock_unit (tenant_id, bucket_id)
+        SELECT p_tenant, p_bucket FROM generate_series(1, added);
+    END IF;
+    IF v_reclaimed <> 0 OR added <> 0 OR direct <> 0 THEN
+        UPDATE stock_bucket
+        SET free = v_free - added - direct, updated_at = p_now,
+            pool_lo = coalesce((SELECT min(unit_id) FROM stock_unit
+                                WHERE tenant_id = p_tenant AND bucket_id = p_bucket), 0),
+            pool_hi = coalesce((SELECT max(unit_id) FROM stock_unit
+                                WHERE tenant_id = p_tenant AND bucket_id = p_bucket), 0)
+        WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+    END IF;
+END $$;
+
+-- Pool buckets below their low-water mark (a share of pool_cap) that have free
+-- stock to refill from, most depleted first. For the background replenisher.
+CREATE OR REPLACE FUNCTION pool_refill_candidates_v1(p_low_water real, p_limit integer)
+RETURNS TABLE (tenant_id bigint, bucket_id bigint, pool bigint, pool_cap integer)
+LANGUAGE sql STABLE AS $$
+    SELECT b.tenant_id, b.bucket_id, p.pool, b.pool_cap
+    FROM stock_bucket b,
+    LATERAL (SELECT count(*) AS pool FROM (
+                 SELECT 1 FROM stock_unit u
+                 WHERE u.tenant_id = b.tenant_id AND u.bucket_id = b.bucket_id
+                 LIMIT b.pool_cap) s) p
+    WHERE b.strategy = 'pool' AND b.free > 0 AND p.pool < b.pool_cap * p_low_water
+    ORDER BY p.pool::real / b.pool_cap
+    LIMIT p_limit
+$$;
+
+-- Background refill of one bucket; skips it when another transaction holds
+-- the bucket (that one is refilling or changing it). Returns units added, or
+-- NULL when skipped.
+CREATE OR REPLACE FUNCTION pool_refill_v1(p_tenant bigint, p_bucket bigint, p_now timestamptz DEFAULT NULL)
+RETURNS integer LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+AS $$
+BEGIN
+    PERFORM 1 FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+    FOR NO KEY UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    RETURN (pool_replenish_v1(p_tenant, p_bucket, 0, coalesce(p_now, clock_timestamp()))).added;
+END $$;

@@ -1,0 +1,474 @@
+-- Only active -> claimed | released | expired, plus expired -> claimed (a late
+-- claim that could take every line again); nothing else ever changes state.
+CREATE OR REPLACE FUNCTION reservation_transition_guard() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.status IS DISTINCT FROM OLD.status AND OLD.status <> 'active'
+       AND NOT (OLD.status = 'expired' AND NEW.status = 'claimed') THEN
+        RAISE EXCEPTION 'reservation % cannot move from % to %',
+            OLD.reservation_id, OLD.status, NEW.status
+            USING ERRCODE = 'check_violation';
+    END IF;
+    IF OLD.status <> 'active' AND NEW.expires_at IS DISTINCT FROM OLD.expires_at THEN
+        RAISE EXCEPTION 'reservation % is % and cannot be extended',
+            OLD.reservation_id, OLD.status USING ERRCODE = 'check_violation';
+    END IF;
+    RETURN NEW;
+END $$;
+
+CREATE OR REPLACE TRIGGER reservation_transition_guard BEFORE UPDATE ON reservation
+    FOR EACH ROW EXECUTE FUNCTION reservation_transition_guard();
+
+CREATE OR REPLACE FUNCTION reservation_line_held_guard() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.held AND NOT OLD.held THEN
+        RAISE EXCEPTION 'line % of reservation % was already given up',
+            OLD.line_no, OLD.reservation_id USING ERRCODE = 'check_violation';
+    END IF;
+    RETURN NEW;
+END $$;
+
+CREATE OR REPLACE TRIGGER reservation_line_held_guard BEFORE UPDATE ON reservation_line
+    FOR EACH ROW EXECUTE FUNCTION reservation_line_held_guard();
+
+CREATE OR REPLACE FUNCTION reservation_view_v1(p_tenant bigint, p_id uuid, p_now timestamptz)
+RETURNS jsonb LANGUAGE sql STABLE AS $$
+    SELECT jsonb_build_object(
+        'id', r.reservation_id,
+        'status', CASE WHEN r.status = 'active' AND r.expires_at <= p_now
+                       THEN 'expired' ELSE r.status END,
+        'created_at', r.created_at, 'expires_at', r.expires_at,
+        'claimed_at', r.claimed_at, 'released_at', r.released_at,
+        'expired_at', coalesce(r.expired_at,
+                               CASE WHEN r.status = 'active' AND r.expires_at <= p_now
+                                    THEN r.expires_at END),
+        'lines', (SELECT jsonb_agg(jsonb_build_object(
+                      'sku', b.sku, 'location', b.location, 'quantity', l.quantity)
+                      ORDER BY l.line_no)
+                  FROM reservation_line l
+                  JOIN stock_bucket b ON b.tenant_id = l.tenant_id AND b.bucket_id = l.bucket_id
+                  WHERE l.tenant_id = r.tenant_id AND l.reservation_id = r.reservation_id))
+    FROM reservation r
+    WHERE r.tenant_id = p_tenant AND r.reservation_id = p_id
+$$;
+
+CREATE OR REPLACE FUNCTION reserve_v1(p_tenant bigint, p_key text, p_digest text,
+                           p_skus text[], p_locations text[], p_quantities integer[],
+                           p_ttl interval, p_now timestamptz DEFAULT NULL)
+RETURNS jsonb LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, clock_timestamp());
+    v_void text;
+    v_prior request_ledger;
+    v_buckets bigint[];
+    v_strategies text[];
+    v_los bigint[];
+    v_his bigint[];
+    v_missing jsonb;
+    v_bucket bigint;
+    v_strategy text;
+    v_lo bigint;
+    v_hi bigint;
+    v_free bigint;
+    v_sold_out boolean := false;
+    v_taken integer := 0;
+    v_short integer[] := '{}';
+    v_seen bigint[] := '{}';
+    v_take record;
+    v_id uuid;
+    v_outcome jsonb;
+    v_view jsonb;
+    v_lines jsonb;
+    v_status text;
+    i integer;
+BEGIN
+    -- Requests with one key run one after another: the second sees the first's
+    -- committed outcome instead of competing with it for stock (a pool buyer
+    -- would otherwise find its sibling's units locked and store a rejection).
+    -- Transaction-scoped, so it needs no session state; a hash collision only
+    -- serialises two unrelated requests, and the ledger's unique key stays the
+    -- guarantee.
+    -- (an assignment, not PERFORM: PL/pgSQL evaluates a simple expression
+    -- without starting the executor; the void result is cast to text)
+    v_void := pg_advisory_xact_lock(hashtextextended(p_key, p_tenant))::text;
+    -- (ledger_check_v1, inline: this is the hottest path)
+    SELECT * INTO v_prior FROM request_ledger WHERE tenant_id = p_tenant AND request_key = p_key;
+    IF FOUND THEN
+        IF v_prior.operation <> 'reserve' OR v_prior.digest <> p_digest THEN
+            RAISE EXCEPTION 'request key % was already used with different parameters', p_key
+                USING ERRCODE = 'PR422', DETAIL = v_prior.operation;
+        END IF;
+        RETURN v_prior.outcome || jsonb_build_object('replayed', true);
+    END IF;
+
+    IF cardinality(p_skus) = 1 THEN
+        -- One line, the usual cart. Find the bucket; if less is free than
+        -- asked, one statement tells whether the bucket is plainly sold out in
+        -- its snapshot: less free than asked, no unit in the pool (a unit
+        -- another buyer is taking still counts: its delete has not committed)
+        -- and no hold past its expiry. Then the answer is no at once: no take,
+        -- no refill lock, no scan. The probes name the bucket by a parameter,
+        -- so the executor opens one pool partition, not all of them.
+        SELECT b.bucket_id, b.strategy, b.pool_lo, b.pool_hi, b.free
+        INTO v_bucket, v_strategy, v_lo, v_hi, v_free
+        FROM stock_bucket b
+        WHERE b.tenant_id = p_tenant AND b.sku = p_skus[1] AND b.location = p_locations[1];
+        IF FOUND THEN
+            IF v_free < p_quantities[1] THEN
+                SELECT b.free, b.free < p_quantities[1]
+                       AND NOT EXISTS (SELECT 1 FROM stock_unit u
+                                       WHERE u.tenant_id = p_tenant AND u.bucket_id = v_bucket)
+                       AND NOT EXISTS (SELECT 1 FROM reservation_line l
+                                       WHERE l.tenant_id = p_tenant AND l.bucket_id = v_bucket
+                                         AND l.held AND l.expires_at <= v_now)
+                INTO v_free, v_sold_out
+                FROM stock_bucket b WHERE b.tenant_id = p_tenant AND b.bucket_id = v_bucket;
+            END IF;
+            v_buckets := ARRAY[v_bucket];
+            v_strategies := ARRAY[v_strategy];
+            v_los := ARRAY[v_lo];
+            v_his := ARRAY[v_hi];
+        ELSE
+            v_missing := jsonb_build_array(jsonb_build_object(
+                'sku', p_skus[1], 'location', p_locations[1]));
+        END IF;
+    ELSE
+        SELECT array_agg(b.bucket_id ORDER BY u.ord), array_agg(b.strategy ORDER BY u.ord),
+               array_agg(b.pool_lo ORDER BY u.ord), array_agg(b.pool_hi ORDER BY u.ord),
+               jsonb_agg(jsonb_build_object('sku', u.sku, 'location', u.loc) ORDER BY u.ord)
+                   FILTER (WHERE b.bucket_id IS NULL)
+        INTO v_buckets, v_strategies, v_los, v_his, v_missing
+        FROM unnest(p_skus, p_locations) WITH ORDINALITY AS u(sku, loc, ord)
+        LEFT JOIN stock_bucket b
+          ON b.tenant_id = p_tenant AND b.sku = u.sku AND b.location = u.loc;
+    END IF;
+    IF v_missing IS NOT NULL THEN
+        PERFORM tenant_require_v1(p_tenant);
+        RAISE EXCEPTION 'unknown stock' USING ERRCODE = 'PR404', DETAIL = v_missing::text;
+    END IF;
+
+    IF v_sold_out THEN
+        v_seen := ARRAY[v_free];
+        v_short := ARRAY[1];
+    ELSE
+        FOR i IN 1 .. cardinality(v_buckets) LOOP
+            v_take := bucket_take_v1(p_tenant, v_buckets[i], p_quantities[i], v_now,
+                                     v_strategies[i], v_los[i], v_his[i]);
+            IF v_take.ok THEN
+                IF v_short = '{}' THEN
+                    v_taken := i;
+                ELSE
+                    PERFORM bucket_untake_v1(p_tenant, v_buckets[i], p_quantities[i],
+                                             v_strategies[i]);
+                END IF;
+            ELSE
+                v_short := v_short || i;
+                v_seen := v_seen || v_take.seen_available;
+            END IF;
+        END LOOP;
+    END IF;
+
+    IF v_short <> '{}' THEN
+        -- Give back what the lines before the first short one took. (A take
+        -- that came back true also tells the bucket's current strategy: a
+        -- switch waits for this transaction once it has taken anything.)
+        FOR i IN 1 .. v_taken LOOP
+            PERFORM bucket_untake_v1(
+                p_tenant, v_buckets[i], p_quantities[i],
+                (SELECT strategy FROM stock_bucket
+                 WHERE tenant_id = p_tenant AND bucket_id = v_buckets[i]));
+        END LOOP;
+        IF cardinality(v_short) = 1 AND v_seen[1] IS NOT NULL THEN
+            -- the usual case, built without a query
+            v_outcome := jsonb_build_array(jsonb_build_object(
+                'sku', p_skus[v_short[1]], 'location', p_locations[v_short[1]],
+                'requested', p_quantities[v_short[1]], 'available', v_seen[1]));
+        ELSE
+            SELECT jsonb_agg(jsonb_build_object(
+                       'sku', p_skus[k], 'location', p_locations[k],
+                       'requested', p_quantities[k],
+                       'available',
+                       coalesce(seen, (bucket_view_v1(p_tenant, v_buckets[k], v_now)
+                                       ->> 'available')::bigint))
+                       ORDER BY n)
+            INTO v_outcome FROM unnest(v_short, v_seen) WITH ORDINALITY AS u(k, seen, n);
+        END IF;
+        v_status := 'rejected';
+        v_outcome := jsonb_build_object('status', 'rejected', 'reason', 'insufficient_stock',
+                                        'short_lines', v_outcome);
+        -- This transaction took nothing: it only records the rejection. It
+        -- need not wait for its WAL to reach disk (sold out must be cheap). A
+        -- crash in the next few hundred milliseconds can lose the record;
+        -- nothing else is lost, and a retry of the key then runs afresh.
+        v_void := set_config('synchronous_commit', 'off', true);
+        -- (ledger_record_v1, inline)
+        INSERT INTO request_ledger (tenant_id, request_key, operation, digest, status, outcome)
+        VALUES (p_tenant, p_key, 'reserve', p_digest, v_status, v_outcome)
+        ON CONFLICT (tenant_id, request_key) DO NOTHING;
+    ELSE
+        v_id := gen_random_uuid();
+        -- The same document reservation_view_v1 would read back, built from
+        -- what is known here.
+        IF cardinality(p_skus) = 1 THEN
+            v_lines := jsonb_build_array(jsonb_build_object(
+                'sku', p_skus[1], 'location', p_locations[1], 'quantity', p_quantities[1]));
+        ELSE
+            SELECT jsonb_agg(jsonb_build_object('sku', sku, 'location', loc, 'quantity', qty)
+                             ORDER BY ord)
+            INTO v_lines
+            FROM unnest(p_skus, p_locations, p_quantities) WITH ORDINALITY AS u(sku, loc, qty, ord);
+        END IF;
+        v_view := jsonb_build_object(
+            'id', v_id, 'status', 'active', 'created_at', v_now,
+            'expires_at', v_now + p_ttl, 'claimed_at', NULL, 'released_at', NULL,
+            'expired_at', NULL, 'lines', v_lines);
+        v_status := 'succeeded';
+        v_outcome := jsonb_build_object('status', 'held', 'reservation', v_view);
+        -- The hold, its lines, its event and its ledger row in one statement
+        -- (one executor run instead of four; the lines' foreign key is
+        -- checked at its end, when the reservation row is there).
+        WITH held AS (
+            INSERT INTO reservation (tenant_id, reservation_id, request_key, created_at,
+                                     expires_at)
+            VALUES (p_tenant, v_id, p_key, v_now, v_now + p_ttl)
+        ), held_lines AS (
+            INSERT INTO reservation_line (tenant_id, reservation_id, line_no, bucket_id,
+                                          quantity, expires_at)
+            SELECT p_tenant, v_id, ord, bucket, qty, v_now + p_ttl
+            FROM unnest(v_buckets, p_quantities) WITH ORDINALITY AS u(bucket, qty, ord)
+        ), event AS (
+            INSERT INTO outbox_event (tenant_id, type, payload)
+            VALUES (p_tenant, 'reservation.created', v_view)
+        )
+        INSERT INTO request_ledger (tenant_id, request_key, operation, digest, status, outcome)
+        VALUES (p_tenant, p_key, 'reserve', p_digest, v_status, v_outcome)
+        ON CONFLICT (tenant_id, request_key) DO NOTHING;
+    END IF;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'request key % was committed by a concurrent request', p_key
+            USING ERRCODE = 'PR409';
+    END IF;
+    RETURN v_outcome;
+END $$;
+
+-- Lock a reservation for a transition; raises PR410 (or PR401) when the
+-- tenant has no such reservation.
+CREATE OR REPLACE FUNCTION reservation_lock_v1(p_tenant bigint, p_id uuid) RETURNS reservation
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_row reservation;
+BEGIN
+    SELECT * INTO v_row FROM reservation
+    WHERE tenant_id = p_tenant AND reservation_id = p_id FOR UPDATE;
+    IF NOT FOUND THEN
+        PERFORM tenant_require_v1(p_tenant);
+        RAISE EXCEPTION 'unknown reservation %', p_id USING ERRCODE = 'PR410';
+    END IF;
+    RETURN v_row;
+END $$;
+
+-- Payment succeeded: deduct on_hand for every line, in one transaction with
+-- the state change. A reservation past its expiry is claimed only if every
+-- line that was given up can be taken again now.
+CREATE OR REPLACE FUNCTION claim_v1(p_tenant bigint, p_id uuid, p_now timestamptz DEFAULT NULL)
+RETURNS jsonb LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, clock_timestamp());
+    v_res reservation;
+    v_line record;
+    v_view jsonb;
+BEGIN
+    v_res := reservation_lock_v1(p_tenant, p_id);
+    IF v_res.status = 'claimed' THEN
+        RETURN reservation_view_v1(p_tenant, p_id, v_now);
+    ELSIF v_res.status = 'released' THEN
+        RAISE EXCEPTION 'reservation % was released', p_id USING ERRCODE = 'PR423';
+    END IF;
+
+    FOR v_line IN
+        SELECT l.line_no, l.bucket_id, l.quantity, l.held
+        FROM reservation_line l
+        JOIN stock_bucket b ON b.tenant_id = l.tenant_id AND b.bucket_id = l.bucket_id
+        WHERE l.tenant_id = p_tenant AND l.reservation_id = p_id
+        ORDER BY b.sku, b.location
+        FOR UPDATE OF l
+    LOOP
+        IF v_line.held THEN
+            UPDATE reservation_line SET held = false
+            WHERE tenant_id = p_tenant AND reservation_id = p_id AND line_no = v_line.line_no;
+        ELSE
+            -- Given up at expiry: take the units again, or fail the claim.
+            IF NOT (bucket_take_v1(p_tenant, v_line.bucket_id, v_line.quantity, v_now)).ok THEN
+                RAISE EXCEPTION 'reservation % expired and its stock is gone', p_id
+                    USING ERRCODE = 'PR425';
+            END IF;
+        END IF;
+        UPDATE stock_bucket
+        SET on_hand = on_hand - v_line.quantity,
+            shortfall = least(shortfall, on_hand - v_line.quantity),
+            updated_at = v_now
+        WHERE tenant_id = p_tenant AND bucket_id = v_line.bucket_id;
+        INSERT INTO stock_movement (tenant_id, bucket_id, kind, quantity, reservation_id, line_no)
+        VALUES (p_tenant, v_line.bucket_id, 'sale', -v_line.quantity, p_id, v_line.line_no);
+    END LOOP;
+
+    UPDATE reservation
+    SET status = 'claimed', claimed_at = v_now
+    WHERE tenant_id = p_tenant AND reservation_id = p_id;
+    v_view := reservation_view_v1(p_tenant, p_id, v_now);
+    INSERT INTO outbox_event (tenant_id, type, payload)
+    VALUES (p_tenant, 'reservation.claimed', v_view);
+    RETURN v_view;
+END $$;
+
+-- Give back every line still held, in (sku, location) order, and record each
+-- restore once. Returns the number of units given back.
+CREATE OR REPLACE FUNCTION reservation_give_back_v1(p_tenant bigint, p_id uuid, p_reason text,
+                                         p_now timestamptz)
+RETURNS bigint LANGUAGE plpgsql AS $$
+DECLARE
+    v_line record;
+    v_units bigint := 0;
+BEGIN
+    FOR v_line IN
+        SELECT l.line_no, l.bucket_id, l.quantity
+        FROM reservation_line l
+        JOIN stock_bucket b ON b.tenant_id = l.tenant_id AND b.bucket_id = l.bucket_id
+        WHERE l.tenant_id = p_tenant AND l.reservation_id = p_id AND l.held
+        ORDER BY b.sku, b.location
+        FOR UPDATE OF l
+    LOOP
+        UPDATE reservation_line SET held = false
+        WHERE tenant_id = p_tenant AND reservation_id = p_id AND line_no = v_line.line_no;
+        INSERT INTO stock_movement (tenant_id, bucket_id, kind, quantity, reservation_id,
+                                    line_no, reason)
+        VALUES (p_tenant, v_line.bucket_id, 'restore', v_line.quantity, p_id,
+                v_line.line_no, p_reason);
+        PERFORM bucket_give_back_v1(p_tenant, v_line.bucket_id, v_line.quantity, p_now);
+        v_units := v_units + v_line.quantity;
+    END LOOP;
+    RETURN v_units;
+END $$;
+
+-- Payment failed or the checkout was cancelled.
+CREATE OR REPLACE FUNCTION release_v1(p_tenant bigint, p_id uuid, p_now timestamptz DEFAULT NULL)
+RETURNS jsonb LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, clock_timestamp());
+    v_res reservation;
+    v_view jsonb;
+BEGIN
+    v_res := reservation_lock_v1(p_tenant, p_id);
+    IF v_res.status = 'claimed' THEN
+        RAISE EXCEPTION 'reservation % was claimed', p_id USING ERRCODE = 'PR424';
+    ELSIF v_res.status IN ('released', 'expired') THEN
+        RETURN reservation_view_v1(p_tenant, p_id, v_now);
+    END IF;
+    PERFORM reservation_give_back_v1(p_tenant, p_id, 'released', v_now);
+    UPDATE reservation SET status = 'released', released_at = v_now
+    WHERE tenant_id = p_tenant AND reservation_id = p_id;
+    v_view := reservation_view_v1(p_tenant, p_id, v_now);
+    INSERT INTO outbox_event (tenant_id, type, payload)
+    VALUES (p_tenant, 'reservation.released', v_view);
+    RETURN v_view;
+END $$;
+
+CREATE OR REPLACE FUNCTION extend_v1(p_tenant bigint, p_id uuid, p_ttl interval,
+                          p_now timestamptz DEFAULT NULL)
+RETURNS jsonb LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, clock_timestamp());
+    v_res reservation;
+BEGIN
+    v_res := reservation_lock_v1(p_tenant, p_id);
+    IF v_res.status <> 'active' OR v_res.expires_at <= v_now THEN
+        RAISE EXCEPTION 'reservation % is not active', p_id USING ERRCODE = 'PR426',
+            DETAIL = CASE WHEN v_res.status = 'active' THEN 'expired' ELSE v_res.status END;
+    END IF;
+    -- Lines carry expires_at too (the reserve path reclaims by line); the
+    -- header lock is held, so no claim or release interleaves.
+    UPDATE reservation_line SET expires_at = v_now + p_ttl
+    WHERE tenant_id = p_tenant AND reservation_id = p_id AND held;
+    UPDATE reservation SET expires_at = v_now + p_ttl
+    WHERE tenant_id = p_tenant AND reservation_id = p_id;
+    RETURN reservation_view_v1(p_tenant, p_id, v_now);
+END $$;
+
+-- The sweeper: expire up to p_batch due reservations in one transaction.
+-- SKIP LOCKED lets several sweepers run at once; the locking read re-checks
+-- status and expiry on the latest row version.
+CREATE OR REPLACE FUNCTION expire_due_v1(p_batch integer, p_now timestamptz DEFAULT NULL)
+RETURNS integer LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, clock_timestamp());
+    v_res record;
+    v_count integer := 0;
+BEGIN
+    FOR v_res IN
+        SELECT tenant_id, reservation_id FROM reservation
+        WHERE status = 'active' AND expires_at <= v_now
+        ORDER BY expires_at
+        LIMIT p_batch
+        FOR UPDATE SKIP LOCKED
+    LOOP
+        PERFORM reservation_give_back_v1(v_res.tenant_id, v_res.reservation_id, 'expired',
+                                         v_now);
+        UPDATE reservation SET status = 'expired', expired_at = v_now
+        WHERE tenant_id = v_res.tenant_id AND reservation_id = v_res.reservation_id;
+        INSERT INTO outbox_event (tenant_id, type, payload)
+        VALUES (v_res.tenant_id, 'reservation.expired',
+                reservation_view_v1(v_res.tenant_id, v_res.reservation_id, v_now));
+        v_count := v_count + 1;
+    END LOOP;
+    RETURN v_count;
+END $$;
+
+-- Claim, release or extend under a request key (the HTTP Idempotency-Key).
+-- The transition and its stored outcome commit together, so a repeat with the
+-- same key replays the first answer (even for extend, which is not idempotent
+-- by state), and the same key with other parameters raises PR422. A failed
+-- transition (PR4xx) rolls back and stores nothing.
+CREATE OR REPLACE FUNCTION transition_keyed_v1(p_tenant bigint, p_key text, p_operation text,
+                                    p_digest text, p_id uuid, p_ttl interval,
+                                    p_now timestamptz DEFAULT NULL)
+RETURNS jsonb LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+AS $$
+DECLARE
+    v_replay jsonb;
+    v_view jsonb;
+    v_outcome jsonb;
+BEGIN
+    v_replay := ledger_check_v1(p_tenant, p_key, p_operation, p_digest);
+    IF v_replay IS NOT NULL THEN
+        RETURN v_replay;
+    END IF;
+    v_view := CASE p_operation
+        WHEN 'claim' THEN claim_v1(p_tenant, p_id, p_now)
+        WHEN 'release' THEN release_v1(p_tenant, p_id, p_now)
+        WHEN 'extend' THEN extend_v1(p_tenant, p_id, p_ttl, p_now)
+    END;
+    IF v_view IS NULL THEN
+        RAISE EXCEPTION 'unknown operation %', p_operation USING ERRCODE = 'invalid_parameter_value';
+    END IF;
+    v_outcome := jsonb_build_object('status', 'applied', 'reservation', v_view);
+    PERFORM ledger_record_v1(p_tenant, p_key, p_operation, p_digest, 'succeeded', v_outcome);
+    RETURN v_outcome;
+END $$;

@@ -1,0 +1,161 @@
+-- Set a bucket's count (physical units not yet sold), creating it if needed,
+-- and optionally switch its strategy. Idempotent by nature.
+CREATE OR REPLACE FUNCTION stock_set_v1(p_tenant bigint, p_sku text, p_location text, p_on_hand bigint,
+                             p_strategy text DEFAULT NULL, p_force boolean DEFAULT false,
+                             p_pool_cap integer DEFAULT NULL,
+                             p_now timestamptz DEFAULT NULL)
+RETURNS jsonb LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, clock_timestamp());
+    v_bucket bigint;
+    v_lock record;
+    v_before bigint;
+    v_view jsonb;
+BEGIN
+    PERFORM tenant_require_v1(p_tenant);
+    INSERT INTO stock_bucket (tenant_id, sku, location, on_hand, free, strategy, pool_cap)
+    VALUES (p_tenant, p_sku, p_location, p_on_hand, p_on_hand, coalesce(p_strategy, 'row'),
+            coalesce(p_pool_cap, 1000))
+    ON CONFLICT (tenant_id, sku, location) DO NOTHING
+    RETURNING bucket_id INTO v_bucket;
+    IF v_bucket IS NOT NULL THEN
+        v_before := 0;
+        PERFORM pool_replenish_v1(p_tenant, v_bucket, 0, v_now);
+    ELSE
+        SELECT bucket_id INTO v_bucket FROM stock_bucket
+        WHERE tenant_id = p_tenant AND sku = p_sku AND location = p_location;
+        v_lock := bucket_lock_exclusive_v1(p_tenant, v_bucket);
+        v_before := (v_lock.o_bucket).on_hand - (v_lock.o_bucket).shortfall;
+        UPDATE stock_bucket
+        SET strategy = coalesce(p_strategy, strategy), pool_cap = coalesce(p_pool_cap, pool_cap)
+        WHERE tenant_id = p_tenant AND bucket_id = v_bucket;
+        PERFORM bucket_apply_on_hand_v1(p_tenant, v_bucket, v_lock.o_held, p_on_hand, p_force,
+                                        v_now);
+    END IF;
+    IF p_on_hand <> v_before THEN
+        INSERT INTO stock_movement (tenant_id, bucket_id, kind, quantity, reason)
+        VALUES (p_tenant, v_bucket, 'count', p_on_hand - v_before, 'set');
+    END IF;
+    v_view := bucket_view_v1(p_tenant, v_bucket, v_now);
+    INSERT INTO outbox_event (tenant_id, type, payload)
+    VALUES (p_tenant, 'stock.changed', v_view || jsonb_build_object('change', 'set'));
+    RETURN v_view;
+END $$;
+
+-- Receipt (delta > 0) or correction (delta < 0) of on_hand, idempotent by key.
+CREATE OR REPLACE FUNCTION stock_adjust_v1(p_tenant bigint, p_key text, p_digest text, p_sku text,
+                                p_location text, p_delta bigint, p_reason text,
+                                p_force boolean DEFAULT false,
+                                p_now timestamptz DEFAULT NULL)
+RETURNS jsonb LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, clock_timestamp());
+    v_replay jsonb;
+    v_bucket bigint;
+    v_lock record;
+    v_view jsonb;
+    v_outcome jsonb;
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended(p_key, p_tenant));
+    v_replay := ledger_check_v1(p_tenant, p_key, 'adjust', p_digest);
+    IF v_replay IS NOT NULL THEN
+        RETURN v_replay;
+    END IF;
+    SELECT bucket_id INTO v_bucket FROM stock_bucket
+    WHERE tenant_id = p_tenant AND sku = p_sku AND location = p_location;
+    IF NOT FOUND THEN
+        PERFORM tenant_require_v1(p_tenant);
+        RAISE EXCEPTION 'unknown stock' USING ERRCODE = 'PR404',
+            DETAIL = jsonb_build_array(jsonb_build_object('sku', p_sku,
+                                                          'location', p_location))::text;
+    END IF;
+    IF p_delta >= 0 THEN
+        -- A receipt pays back any shortfall first, then becomes free stock.
+        UPDATE stock_bucket
+        SET on_hand = on_hand + p_delta - least(shortfall, p_delta),
+            free = free + p_delta - least(shortfall, p_delta),
+            shortfall = shortfall - least(shortfall, p_delta),
+            updated_at = v_now
+        WHERE tenant_id = p_tenant AND bucket_id = v_bucket;
+    ELSE
+        v_lock := bucket_lock_exclusive_v1(p_tenant, v_bucket);
+        PERFORM bucket_apply_on_hand_v1(
+            p_tenant, v_bucket, v_lock.o_held,
+            (v_lock.o_bucket).on_hand - (v_lock.o_bucket).shortfall + p_delta, p_force, v_now);
+    END IF;
+    INSERT INTO stock_movement (tenant_id, bucket_id, kind, quantity, request_key, reason)
+    VALUES (p_tenant, v_bucket, 'adjust', p_delta, p_key, p_reason);
+    v_view := bucket_view_v1(p_tenant, v_bucket, v_now);
+    v_outcome := jsonb_build_object('status', 'applied', 'stock', v_view);
+    PERFORM ledger_record_v1(p_tenant, p_key, 'adjust', p_digest, 'succeeded', v_outcome);
+    INSERT INTO outbox_event (tenant_id, type, payload)
+    VALUES (p_tenant, 'stock.changed',
+            v_view || jsonb_build_object('change', 'adjust', 'delta', p_delta,
+                                         'reason', p_reason));
+    RETURN v_outcome;
+END $$;
+
+-- Every accounting rule the design promises, per bucket; one row per breach.
+CREATE OR REPLACE FUNCTION invariant_violations_v1(p_tenant bigint DEFAULT NULL,
+                                        p_now timestamptz DEFAULT NULL)
+RETURNS TABLE (tenant_id bigint, sku text, location text, rule text, detail text)
+LANGUAGE sql STABLE AS $$
+    WITH now_ AS (SELECT coalesce(p_now, clock_timestamp()) AS now),
+    figures AS (
+        SELECT b.tenant_id, b.bucket_id, b.sku, b.location, b.on_hand, b.free, b.strategy,
+               (SELECT count(*) FROM stock_unit u
+                 WHERE u.tenant_id = b.tenant_id AND u.bucket_id = b.bucket_id) AS pool,
+               (SELECT coalesce(sum(quantity), 0) FROM reservation_line l
+                 WHERE l.tenant_id = b.tenant_id AND l.bucket_id = b.bucket_id AND l.held)
+                   AS held,
+               (SELECT coalesce(sum(quantity), 0) FROM reservation_line l, now_
+                 WHERE l.tenant_id = b.tenant_id AND l.bucket_id = b.bucket_id AND l.held
+                   AND l.expires_at > now_.now) AS reserved
+        FROM stock_bucket b
+        WHERE p_tenant IS NULL OR b.tenant_id = p_tenant
+    )
+    SELECT tenant_id, sku, location, 'accounting',
+           format('on_hand %s <> free %s + pool %s + held %s', on_hand, free, pool, held)
+    FROM figures WHERE on_hand <> free + pool + held
+    UNION ALL
+    SELECT tenant_id, sku, location, 'negative',
+           format('on_hand %s free %s reserved %s available %s',
+                  on_hand, free, reserved, on_hand - reserved)
+    FROM figures WHERE on_hand < 0 OR free < 0 OR reserved < 0 OR on_hand - reserved < 0
+    UNION ALL
+    SELECT tenant_id, sku, location, 'pool_on_row_bucket', format('%s pool units', pool)
+    FROM figures WHERE strategy = 'row' AND pool > 0
+    UNION ALL
+    -- a hold of a finished reservation must not be counted any more
+    SELECT l.tenant_id, b.sku, b.location, 'finished_but_held',
+           format('reservation %s is %s but line %s is held', r.reservation_id, r.status,
+                  l.line_no)
+    FROM reservation_line l
+    JOIN reservation r USING (tenant_id, reservation_id)
+    JOIN stock_bucket b ON b.tenant_id = l.tenant_id AND b.bucket_id = l.bucket_id
+    WHERE l.held AND r.status <> 'active' AND (p_tenant IS NULL OR l.tenant_id = p_tenant)
+    UNION ALL
+    -- a line given up without a claim must have exactly one restore record,
+    -- a claimed line none
+    SELECT l.tenant_id, b.sku, b.location, 'restore_count',
+           format('reservation %s line %s (%s) restored %s times', r.reservation_id,
+                  l.line_no, r.status, m.n)
+    FROM reservation_line l
+    JOIN reservation r USING (tenant_id, reservation_id)
+    JOIN stock_bucket b ON b.tenant_id = l.tenant_id AND b.bucket_id = l.bucket_id
+    CROSS JOIN LATERAL (
+        SELECT count(*) AS n FROM stock_movement m
+        WHERE m.tenant_id = l.tenant_id AND m.reservation_id = l.reservation_id
+          AND m.line_no = l.line_no AND m.kind = 'restore') m
+    WHERE (p_tenant IS NULL OR l.tenant_id = p_tenant)
+      AND CASE WHEN l.held THEN m.n <> 0
+               -- claimed after its expiry had given the line up: one restore
+               WHEN r.status = 'claimed' THEN m.n > 1
+               ELSE m.n <> 1 END
+$$;
