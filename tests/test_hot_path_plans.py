@@ -134,9 +134,9 @@ async def test_a_row_hold_opens_no_pool_partition(dsn: str) -> None:
     assert pool_opened == 1
 
 
-async def test_only_a_rejection_commits_without_waiting_for_its_flush(dsn: str) -> None:
-    """A transaction that took nothing records its answer with an asynchronous commit; a hold
-    keeps the session's durable commit."""
+async def test_a_rejection_commits_as_durably_as_a_hold(dsn: str) -> None:
+    """A transaction that only records a rejection keeps the session's durable commit, like a
+    hold: a stored "no" the client has seen is never lost in a crash."""
     async with Database(dsn, min_size=1, max_size=1) as db:
         service = ReservationService(db)
         tenant = await service.create_tenant("commit-mode")
@@ -146,8 +146,9 @@ async def test_only_a_rejection_commits_without_waiting_for_its_flush(dsn: str) 
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("SET synchronous_commit = on")  # the session's (the test server is off)
         conn.autocommit = False
-        conn.execute(call, (tenant.id, "no", "{none}"))
-        assert conn.execute("SHOW synchronous_commit").fetchone() == ("off",)
+        outcome = conn.execute(call, (tenant.id, "no", "{none}")).fetchone()
+        assert outcome is not None and outcome[0]["status"] == "rejected"
+        assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
         conn.rollback()
         conn.execute(call, (tenant.id, "yes", "{one}"))
         assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)

@@ -9,6 +9,8 @@ from typing import Any
 
 MAX_LINES = 100
 MAX_QUANTITY = 1_000_000
+# on_hand and a stock delta: exact as JSON numbers, and no sum of them overflows bigint
+MAX_ON_HAND = 2**53
 MAX_NAME = 200
 MIN_TTL = timedelta(seconds=1)
 MAX_TTL = timedelta(hours=24)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 from datetime import timedelta
@@ -20,7 +21,29 @@ def name(value: Any, field: str) -> str:
         raise InvalidRequest(f"{field} must be at most {MAX_NAME} characters", field=field)
     if "\x00" in value:
         raise InvalidRequest(f"{field} must not contain NUL characters", field=field)
+    _encodable(value, field)
     return value
+
+
+def text(value: Any, field: str, longest: int) -> str:
+    """Free text (e.g. a reason): a string of at most `longest` characters, may be empty."""
+    if not isinstance(value, str) or len(value) > longest:
+        raise InvalidRequest(f"{field} must be a string of at most {longest} characters",
+                             field=field)
+    if "\x00" in value:
+        raise InvalidRequest(f"{field} must not contain NUL characters", field=field)
+    _encodable(value, field)
+    return value
+
+
+def _encodable(value: str, field: str) -> None:
+    # A lone surrogate (e.g. "\ud800") is a Python str but not Unicode text:
+    # it has no UTF-8 form, so the database could never store it.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"{field} must be valid Unicode text (no lone surrogates)",
+                             field=field) from None
 
 
 def integer(value: Any, field: str, low: int, high: int) -> int:
@@ -47,7 +70,11 @@ def tenant_id(value: Any) -> int:
 def ttl(value: Any) -> timedelta:
     if isinstance(value, bool):
         raise InvalidRequest("ttl must be a duration", field="ttl")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidRequest("ttl must be a finite number of seconds", field="ttl")
     if isinstance(value, (int, float)):
+        if not MIN_TTL.total_seconds() <= value <= MAX_TTL.total_seconds():
+            raise InvalidRequest("ttl must be between 1 second and 24 hours", field="ttl")
         value = timedelta(seconds=value)
     if not isinstance(value, timedelta):
         raise InvalidRequest("ttl must be a duration or a number of seconds", field="ttl")

@@ -22,6 +22,7 @@ from ..db import literals as lit
 from ..db.database import Database, Op
 from ..domain import (
     DEFAULT_TTL,
+    MAX_ON_HAND,
     Event,
     EventPage,
     Line,
@@ -151,7 +152,7 @@ class ReservationService:
         """Set a bucket's count (creating it), optionally switching its strategy live."""
         tenant = check.tenant_id(tenant)
         sku, location = check.name(sku, "sku"), check.name(location, "location")
-        on_hand = check.integer(on_hand, "on_hand", 0, 2**53)
+        on_hand = check.integer(on_hand, "on_hand", 0, MAX_ON_HAND)
         chosen = check.strategy(strategy)
         if pool_cap is not None:
             pool_cap = check.integer(pool_cap, "pool_cap", 1, 100_000)
@@ -168,9 +169,8 @@ class ReservationService:
         tenant = check.tenant_id(tenant)
         key = check.request_key(request_key)
         sku, location = check.name(sku, "sku"), check.name(location, "location")
-        delta = check.integer(delta, "delta", -(2**53), 2**53)
-        if not isinstance(reason, str) or len(reason) > 1000:
-            raise check.InvalidRequest("reason must be a string of at most 1000 characters")
+        delta = check.integer(delta, "delta", -MAX_ON_HAND, MAX_ON_HAND)
+        reason = check.text(reason, "reason", 1000)
         fingerprint = digest("adjust", {"sku": sku, "location": location, "delta": delta,
                                         "reason": reason, "force": bool(force)})
         doc = await self.db.call(

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 # Typed failures raised by the SQL functions (sql/functions/).
 _SQLSTATE_ERRORS: dict[str, type[errors.PgReserveError]] = {
+    "PR400": errors.InvalidRequest,
     "PR401": errors.UnknownTenant,
     "PR404": errors.UnknownStock,
     "PR410": errors.ReservationNotFound,

@@ -1,13 +1,13 @@
 -- The stock view of one bucket at p_now. Holds past expires_at do not count
--- as reserved, whether or not the sweeper has run.
+-- as reserved, whether or not the sweeper has run; of their units, those a
+-- forced correction recorded as missing (shortfall) are not available.
 CREATE OR REPLACE FUNCTION bucket_view_v1(p_tenant bigint, p_bucket bigint, p_now timestamptz)
 RETURNS jsonb LANGUAGE sql STABLE AS $$
-    -- available = free + pool + holds already past expiry; reading it touches
-    -- only the expired part of the held-lines index, never every hold.
+    -- reading it touches only the expired part of the held-lines index
     SELECT jsonb_build_object(
         'sku', b.sku, 'location', b.location, 'on_hand', b.on_hand,
         'reserved', b.on_hand - (b.free + p.pool + e.expired),
-        'available', b.free + p.pool + e.expired,
+        'available', b.free + p.pool + greatest(0, e.expired - b.shortfall),
         'strategy', b.strategy, 'pool', p.pool, 'pool_cap', b.pool_cap,
         'shortfall', b.shortfall)
     FROM stock_bucket b,
@@ -20,14 +20,23 @@ RETURNS jsonb LANGUAGE sql STABLE AS $$
     WHERE b.tenant_id = p_tenant AND b.bucket_id = p_bucket
 $$;
 
-CREATE OR REPLACE FUNCTION bucket_reclaim_expired_v1(p_tenant bigint, p_bucket bigint, p_now timestamptz,
-                                          p_enough bigint)
+-- Give up expired holds of a bucket whose row lock the caller holds, in
+-- batches of 500 lines, until p_enough units are usable or none is left
+-- (lines another transaction holds are skipped). Their units pay back the
+-- bucket's shortfall first (written off with it), the rest become free.
+-- Returns the units made free.
+CREATE OR REPLACE FUNCTION bucket_reclaim_expired_v1(p_tenant bigint, p_bucket bigint,
+                                                     p_now timestamptz, p_enough bigint)
 RETURNS bigint LANGUAGE plpgsql AS $$
 DECLARE
+    v_shortfall bigint;
     v_units bigint := 0;
+    v_written_off bigint;
     v_batch_units bigint;
     v_batch_lines integer;
 BEGIN
+    SELECT shortfall INTO v_shortfall FROM stock_bucket
+    WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
     LOOP
         WITH due AS (
             SELECT l.tenant_id, l.reservation_id, l.line_no
@@ -52,170 +61,226 @@ BEGIN
         SELECT count(*), coalesce(sum(quantity), 0) INTO v_batch_lines, v_batch_units
         FROM logged;
         v_units := v_units + v_batch_units;
-        EXIT WHEN v_batch_lines < 500 OR v_units >= p_enough;
+        EXIT WHEN v_batch_lines < 500 OR v_units - least(v_shortfall, v_units) >= p_enough;
     END LOOP;
-    RETURN v_units;
+    IF v_units = 0 THEN
+        RETURN 0;
+    END IF;
+    v_written_off := least(v_shortfall, v_units);
+    UPDATE stock_bucket
+    SET on_hand = on_hand - v_written_off,
+        free = free + v_units - v_written_off,
+        shortfall = shortfall - v_written_off,
+        updated_at = p_now
+    WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+    RETURN v_units - v_written_off;
 END $$;
 
+-- Take p_qty units of one bucket for this transaction, all or none.
+--
+-- ok: taken. Otherwise seen_available is what the bucket could serve in the
+-- snapshot that decided the answer: a short answer is only given when, at
+-- that instant, free + pool + usable expired holds < p_qty. Units other
+-- buyers hold are waited for first (they are sold, or stay when that buyer
+-- was short); a case that cannot be decided without waiting while holding
+-- this bucket's units raises 40001 and the request is retried whole.
+-- taken_as: the strategy the units came by; from_free: units taken out of
+-- free (to give back if the cart fails); units: with p_keep, the pool units
+-- locked for the caller to delete once the cart is held.
 CREATE OR REPLACE FUNCTION bucket_take_v1(p_tenant bigint, p_bucket bigint, p_qty integer,
                                p_now timestamptz, p_strategy text DEFAULT NULL,
                                p_lo bigint DEFAULT NULL, p_hi bigint DEFAULT NULL,
-                               OUT ok boolean, OUT seen_available bigint)
+                               p_keep boolean DEFAULT false,
+                               OUT ok boolean, OUT seen_available bigint,
+                               OUT taken_as text, OUT from_free integer, OUT units bigint[])
 LANGUAGE plpgsql AS $$
 DECLARE
     v_strategy text := p_strategy;
     v_lo bigint := p_lo;
     v_hi bigint := p_hi;
     v_free bigint;
-    v_got integer;
-    v_rep record;
-    v_reclaimed bigint;
-    v_expired boolean;
-    v_refiller boolean;
+    v_pool bigint;
+    v_expired bigint;
+    v_shortfall bigint;
+    v_any_expired boolean;
+    v_usable bigint;
+    v_take record;
+    v_direct integer;
+    v_held integer;
+    v_round integer;
 BEGIN
     ok := false;
+    from_free := 0;
     IF v_strategy IS NULL THEN
         SELECT strategy, pool_lo, pool_hi INTO v_strategy, v_lo, v_hi
         FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
     END IF;
-
-    IF v_strategy = 'row' THEN
-        UPDATE stock_bucket SET free = free - p_qty
-        WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND strategy = 'row'
-          AND free >= p_qty;
-        IF FOUND THEN
-            ok := true;
-            RETURN;
-        END IF;
-        -- One statement reads what a short answer needs: the strategy (a
-        -- switch may have happened), what is free, and whether any hold has
-        -- expired.
-        SELECT b.strategy, b.pool_lo, b.pool_hi, b.free,
-               EXISTS (SELECT 1 FROM reservation_line l
-                       WHERE l.tenant_id = p_tenant AND l.bucket_id = p_bucket
-                         AND l.held AND l.expires_at <= p_now)
-        INTO v_strategy, v_lo, v_hi, v_free, v_expired
-        FROM stock_bucket b WHERE b.tenant_id = p_tenant AND b.bucket_id = p_bucket;
+    -- The strategy may be stale (a switch can commit after it was read): each
+    -- deciding snapshot reads it again, and a changed one starts over.
+    FOR v_round IN 1 .. 4 LOOP
         IF v_strategy = 'row' THEN
-            -- Short, unless expired holds can be given up first. A row bucket
-            -- has no pool, so what is free is what is available.
-            IF NOT v_expired THEN
-                seen_available := v_free;
-                RETURN;
-            END IF;
-            PERFORM 1 FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
-            FOR NO KEY UPDATE;
-            v_reclaimed := bucket_reclaim_expired_v1(p_tenant, p_bucket, p_now, p_qty);
-            UPDATE stock_bucket SET free = free + v_reclaimed
-            WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+            taken_as := 'row';
             UPDATE stock_bucket SET free = free - p_qty
             WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND strategy = 'row'
               AND free >= p_qty;
-            ok := FOUND;
-            RETURN;
-        END IF;
-        -- switched to pool meanwhile: take from the pool below
-    END IF;
-
-    v_got := pool_take_units_v1(
-        p_tenant, p_bucket, p_qty,
-        CASE WHEN v_hi > v_lo THEN v_lo + floor(random() * (v_hi - v_lo + 1))::bigint
-             ELSE 0 END);
-    IF v_got = p_qty THEN
-        ok := true;
-        RETURN;
-    END IF;
-
-    -- Sold out is cheap: nothing free and nothing expired means no refill can
-    -- help, so answer now without queueing on the bucket lock.
-    SELECT b.free,
-           EXISTS (SELECT 1 FROM reservation_line l
-                   WHERE l.tenant_id = p_tenant AND l.bucket_id = p_bucket
-                     AND l.held AND l.expires_at <= p_now)
-    INTO v_free, v_expired
-    FROM stock_bucket b WHERE b.tenant_id = p_tenant AND b.bucket_id = p_bucket;
-    IF v_free < p_qty - v_got AND NOT v_expired THEN
-        -- One more look, in a new snapshot, and without SKIP LOCKED: it sees a
-        -- refill that committed after the take's snapshot, and it waits for
-        -- units other buyers have locked (they are not sold until those
-        -- commit; a stored rejection is final for its key, so a rollback must
-        -- not leave this buyer turned away). An empty pool has nothing to wait
-        -- for, so sold out stays cheap.
-        PERFORM 1 FROM stock_unit
-        WHERE tenant_id = p_tenant AND bucket_id = p_bucket
-        ORDER BY unit_id LIMIT p_qty - v_got
-        FOR UPDATE;
-        IF FOUND THEN
-            v_got := v_got + pool_take_units_v1(p_tenant, p_bucket, p_qty - v_got, 0);
-            IF v_got = p_qty THEN
+            IF FOUND THEN
                 ok := true;
+                from_free := p_qty;
                 RETURN;
             END IF;
-        ELSE
-            -- nothing in the pool, nothing expired: what is free is all there is
-            seen_available := v_free + v_got;
+            SELECT b.strategy, b.pool_lo, b.pool_hi, b.free,
+                   EXISTS (SELECT 1 FROM reservation_line l
+                           WHERE l.tenant_id = p_tenant AND l.bucket_id = p_bucket
+                             AND l.held AND l.expires_at <= p_now)
+            INTO v_strategy, v_lo, v_hi, v_free, v_any_expired
+            FROM stock_bucket b WHERE b.tenant_id = p_tenant AND b.bucket_id = p_bucket;
+            -- switched to pool, or freed since the update: take again
+            CONTINUE WHEN v_strategy <> 'row' OR v_free >= p_qty;
+            IF NOT v_any_expired THEN
+                -- a row bucket has no pool: what is free is what it can serve
+                seen_available := v_free;
+                RETURN;
+            END IF;
+            -- Give up the expired holds under the bucket lock, then take.
+            PERFORM 1 FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+            FOR NO KEY UPDATE;
+            PERFORM bucket_reclaim_expired_v1(p_tenant, p_bucket, p_now, p_qty);
+            UPDATE stock_bucket SET free = free - p_qty
+            WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND strategy = 'row'
+              AND free >= p_qty
+            RETURNING free INTO v_free;
+            IF FOUND THEN
+                ok := true;
+                from_free := p_qty;
+                RETURN;
+            END IF;
+            -- The lock keeps free and the strategy as they are; an expired
+            -- hold still held is being given up by another transaction.
+            SELECT b.free,
+                   EXISTS (SELECT 1 FROM reservation_line l
+                           WHERE l.tenant_id = p_tenant AND l.bucket_id = p_bucket
+                             AND l.held AND l.expires_at <= p_now)
+            INTO v_free, v_any_expired
+            FROM stock_bucket b WHERE b.tenant_id = p_tenant AND b.bucket_id = p_bucket;
+            IF v_any_expired THEN
+                RAISE EXCEPTION 'expired holds of bucket % are being given up: retry', p_bucket
+                    USING ERRCODE = 'serialization_failure';
+            END IF;
+            seen_available := v_free;
+            RETURN;
         END IF;
-        IF v_got > 0 THEN
-            PERFORM bucket_untake_v1(p_tenant, p_bucket, v_got, 'pool');
-        END IF;
-        RETURN;
-    END IF;
 
-    -- Refill inline, one refiller per bucket: the transaction that gets the
-    -- bucket row lock. A buyer that finds it held waits for that transaction
-    -- with a share lock instead: when it commits, every waiter is granted at
-    -- once and takes from what it added. (Queueing for the row lock itself
-    -- would let the waiters through one at a time, each holding the lock
-    -- until it commits: a convoy as slow as the row strategy.) A share lock is
-    -- never upgraded (two waiters doing so would deadlock): a waiter still
-    -- short starts its request again, and the retry either takes, refills, or
-    -- finds the bucket sold out.
-    PERFORM 1 FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
-    FOR NO KEY UPDATE SKIP LOCKED;
-    v_refiller := FOUND;
-    IF NOT v_refiller THEN
+        taken_as := 'pool';
+        v_take := pool_take_units_v1(
+            p_tenant, p_bucket, p_qty,
+            CASE WHEN v_hi > v_lo THEN v_lo + floor(random() * (v_hi - v_lo + 1))::bigint
+                 ELSE 0 END,
+            p_keep);
+        IF v_take.locked = p_qty THEN
+            ok := true;
+            units := v_take.units;
+            RETURN;
+        END IF;
+        -- Wait for the units other buyers hold, in a new snapshot and in unit
+        -- order: each is sold when its buyer commits, or stays if that buyer
+        -- was short. Two buyers that each hold part of what they need can wait
+        -- for each other here; PostgreSQL breaks the cycle (40P01), the victim
+        -- is retried whole and the survivor gets its units: exact answers, at
+        -- the cost of deadlock_timeout for the victim at the moment of sell-out.
+        SELECT count(*) INTO v_held FROM (
+            SELECT 1 FROM stock_unit
+            WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+            ORDER BY unit_id LIMIT p_qty
+            FOR UPDATE) s;
+        v_held := greatest(v_held, v_take.locked);  -- this bucket's units now locked here
+        IF v_held >= p_qty THEN
+            v_take := pool_take_units_v1(p_tenant, p_bucket, p_qty, 0, p_keep);
+            IF v_take.locked = p_qty THEN
+                ok := true;
+                units := v_take.units;
+                RETURN;
+            END IF;
+        END IF;
+
+        -- One snapshot decides: the strategy, free, the pool (up to p_qty),
+        -- and expired holds (less what is owed to the shortfall).
+        SELECT b.strategy, b.pool_lo, b.pool_hi, b.free, b.shortfall,
+               (SELECT count(*) FROM (SELECT 1 FROM stock_unit u
+                                      WHERE u.tenant_id = p_tenant AND u.bucket_id = p_bucket
+                                      LIMIT p_qty) s),
+               (SELECT coalesce(sum(l.quantity), 0) FROM reservation_line l
+                WHERE l.tenant_id = p_tenant AND l.bucket_id = p_bucket
+                  AND l.held AND l.expires_at <= p_now)
+        INTO v_strategy, v_lo, v_hi, v_free, v_shortfall, v_pool, v_expired
+        FROM stock_bucket b WHERE b.tenant_id = p_tenant AND b.bucket_id = p_bucket;
+        CONTINUE WHEN v_strategy <> 'pool';
+        v_usable := v_free + v_pool + greatest(0, v_expired - v_shortfall);
+        IF v_usable < p_qty THEN
+            seen_available := v_usable;
+            RETURN;
+        END IF;
+
+        -- Enough is there: units other buyers hold, or free units and expired
+        -- holds that a refill brings into reach. One refiller per bucket: the
+        -- transaction that gets the row lock without waiting. The others wait
+        -- for it with a share lock (all granted together when it commits) and
+        -- take from what it added; a share lock is never upgraded, so a
+        -- waiter still short retries whole. Never wait for the bucket while
+        -- holding its units: a stock change holding the bucket waits for them.
         PERFORM 1 FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
-        FOR SHARE;
-    END IF;
-    -- Either way, units a refill added just before are visible now: take
-    -- first; only the refiller refills if still short.
-    v_got := v_got + pool_take_units_v1(p_tenant, p_bucket, p_qty - v_got, 0);
-    IF v_got = p_qty THEN
-        ok := true;
-        RETURN;
-    END IF;
-    IF NOT v_refiller THEN
-        RAISE EXCEPTION 'bucket % was being refilled and is still short: retry', p_bucket
+        FOR NO KEY UPDATE SKIP LOCKED;
+        IF NOT FOUND THEN
+            IF v_held = 0 THEN
+                PERFORM 1 FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+                FOR SHARE;
+                v_take := pool_take_units_v1(p_tenant, p_bucket, p_qty, 0, p_keep);
+                IF v_take.locked = p_qty THEN
+                    ok := true;
+                    units := v_take.units;
+                    RETURN;
+                END IF;
+            END IF;
+            RAISE EXCEPTION 'bucket % is short of units being taken or refilled: retry', p_bucket
+                USING ERRCODE = 'serialization_failure';
+        END IF;
+        -- The refiller: nothing else refills, switches or changes the bucket
+        -- until this transaction ends.
+        SELECT strategy INTO v_strategy FROM stock_bucket
+        WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+        CONTINUE WHEN v_strategy <> 'pool';
+        -- the units this transaction has locked count; the rest come
+        -- straight out of free (direct), then the pool is topped up
+        v_direct := (pool_replenish_v1(p_tenant, p_bucket, p_qty - v_held, p_now)).direct;
+        v_take := pool_take_units_v1(p_tenant, p_bucket, p_qty - v_direct, 0, p_keep);
+        IF v_take.locked = p_qty - v_direct THEN
+            ok := true;
+            from_free := v_direct;
+            units := v_take.units;
+            RETURN;
+        END IF;
+        UPDATE stock_bucket SET free = free + v_direct
+        WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+        -- Under the lock free is exact and the pool only shrinks; what the
+        -- refill could not reach is held by concurrent buyers or givers-up.
+        SELECT b.free + greatest(0, e.expired - b.shortfall)
+               + (SELECT count(*) FROM (SELECT 1 FROM stock_unit u
+                                        WHERE u.tenant_id = p_tenant AND u.bucket_id = p_bucket
+                                        LIMIT p_qty) s)
+        INTO v_usable
+        FROM stock_bucket b,
+        LATERAL (SELECT coalesce(sum(l.quantity), 0) AS expired FROM reservation_line l
+                 WHERE l.tenant_id = p_tenant AND l.bucket_id = p_bucket
+                   AND l.held AND l.expires_at <= p_now) e
+        WHERE b.tenant_id = p_tenant AND b.bucket_id = p_bucket;
+        IF v_usable < p_qty THEN
+            seen_available := v_usable;
+            RETURN;
+        END IF;
+        RAISE EXCEPTION 'bucket % is short of units other buyers hold: retry', p_bucket
             USING ERRCODE = 'serialization_failure';
-    END IF;
-    v_rep := pool_replenish_v1(p_tenant, p_bucket, p_qty - v_got, p_now);
-    v_got := v_got + v_rep.direct;
-    IF v_got < p_qty THEN
-        -- Direct units came out of free under the bucket lock this
-        -- transaction holds: put them back there; the rest into the pool.
-        UPDATE stock_bucket SET free = free + v_rep.direct
-        WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
-        PERFORM bucket_untake_v1(p_tenant, p_bucket, v_got - v_rep.direct, 'pool');
-        RETURN;
-    END IF;
-    ok := true;
-END $$;
-
--- Undo a take of this transaction: row units back to free (the caller holds
--- the row lock), pool units back into the pool (no bucket lock needed).
-CREATE OR REPLACE FUNCTION bucket_untake_v1(p_tenant bigint, p_bucket bigint, p_qty integer,
-                                 p_strategy text)
-RETURNS void LANGUAGE plpgsql AS $$
-BEGIN
-    IF p_qty <= 0 THEN
-        RETURN;
-    ELSIF p_strategy = 'row' THEN
-        UPDATE stock_bucket SET free = free + p_qty
-        WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
-    ELSE
-        INSERT INTO stock_unit (tenant_id, bucket_id)
-        SELECT p_tenant, p_bucket FROM generate_series(1, p_qty);
-    END IF;
+    END LOOP;
+    RAISE EXCEPTION 'the strategy of bucket % kept changing: retry', p_bucket
+        USING ERRCODE = 'serialization_failure';
 END $$;
 
 -- Give back p_qty units of a line that is no longer held (release, expiry).
@@ -266,10 +331,11 @@ BEGIN
     PERFORM 1 FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
     FOR UPDATE;
     -- Drain until a DELETE finds nothing. A DELETE waits for buyers holding
-    -- units it saw, but a buyer whose take came up short gives its units back
-    -- as new rows, which that DELETE cannot see; the next statement can.
-    -- Nothing else can add units now: refills need the bucket row, releases
-    -- need a held line. A buyer that keeps racing the drain is answered Busy.
+    -- units it saw: a buyer that took them deletes them, a short one leaves
+    -- them (takes are all or nothing and never put units back as new rows).
+    -- Nothing can add units now: refills and stock changes need the bucket
+    -- row, releases and expiry a held line. The loop is a guard: a pool that
+    -- keeps refilling is answered Busy.
     v_drained := 0;
     FOR v_round IN 1 .. 50 LOOP
         WITH drained AS (

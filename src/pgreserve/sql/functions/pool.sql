@@ -1,13 +1,20 @@
--- Take up to p_qty pool units of one bucket, starting at p_start and wrapping
--- around: lock with SKIP LOCKED and delete in one statement. Returns how many.
+-- Take exactly p_qty pool units of one bucket, or none. Units are locked with
+-- SKIP LOCKED from p_start, wrapping around, and deleted only when all p_qty
+-- are locked. A short take deletes nothing: what it locked stays in the pool,
+-- locked until this transaction ends, so a buyer waiting for those units gets
+-- them when it does (a take that deleted and re-inserted them would hand the
+-- waiter rows it cannot see). With p_keep the units are locked but not
+-- deleted even when all are there; their ids come back in `units` for the
+-- caller to delete once the whole cart is held. Returns the units locked.
 CREATE OR REPLACE FUNCTION pool_take_units_v1(p_tenant bigint, p_bucket bigint, p_qty integer,
-                                   p_start bigint)
-RETURNS integer LANGUAGE plpgsql AS $$
+                                   p_start bigint, p_keep boolean DEFAULT false,
+                                   OUT locked integer, OUT units bigint[])
+LANGUAGE plpgsql AS $$
 DECLARE
-    v_n integer;
-    v_more integer;
+    v_more bigint[];
 BEGIN
-    WITH picked AS (
+    -- the usual case in one statement: lock, and delete when all are there
+    WITH picked AS MATERIALIZED (
         SELECT unit_id FROM stock_unit
         WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND unit_id >= p_start
         ORDER BY unit_id
@@ -16,26 +23,29 @@ BEGIN
     ), taken AS (
         DELETE FROM stock_unit u USING picked
         WHERE u.tenant_id = p_tenant AND u.bucket_id = p_bucket AND u.unit_id = picked.unit_id
+          AND NOT p_keep AND (SELECT count(*) FROM picked) = p_qty
         RETURNING 1
     )
-    SELECT count(*) INTO v_n FROM taken;
-    IF v_n < p_qty AND p_start > 0 THEN
-        WITH picked AS (
+    SELECT coalesce((SELECT array_agg(unit_id) FROM picked), '{}'),
+           (SELECT count(*) FROM taken)
+    INTO units, locked;
+    IF locked = p_qty THEN
+        RETURN;
+    END IF;
+    IF cardinality(units) < p_qty AND p_start > 0 THEN
+        SELECT coalesce(array_agg(unit_id), '{}') INTO v_more FROM (
             SELECT unit_id FROM stock_unit
             WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND unit_id < p_start
             ORDER BY unit_id
-            LIMIT p_qty - v_n
-            FOR UPDATE SKIP LOCKED
-        ), taken AS (
-            DELETE FROM stock_unit u USING picked
-            WHERE u.tenant_id = p_tenant AND u.bucket_id = p_bucket
-              AND u.unit_id = picked.unit_id
-            RETURNING 1
-        )
-        SELECT count(*) INTO v_more FROM taken;
-        v_n := v_n + v_more;
+            LIMIT p_qty - cardinality(units)
+            FOR UPDATE SKIP LOCKED) s;
+        units := units || v_more;
+        IF cardinality(units) = p_qty AND NOT p_keep THEN
+            DELETE FROM stock_unit
+            WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND unit_id = ANY (units);
+        END IF;
     END IF;
-    RETURN v_n;
+    locked := cardinality(units);
 END $$;
 
 CREATE OR REPLACE FUNCTION pool_replenish_v1(p_tenant bigint, p_bucket bigint, p_need integer,

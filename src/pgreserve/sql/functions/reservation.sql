@@ -75,10 +75,12 @@ DECLARE
     v_hi bigint;
     v_free bigint;
     v_sold_out boolean := false;
-    v_taken integer := 0;
     v_short integer[] := '{}';
     v_seen bigint[] := '{}';
     v_take record;
+    v_from_free integer[] := '{}';
+    v_unit_buckets bigint[] := '{}';
+    v_unit_ids bigint[] := '{}';
     v_id uuid;
     v_outcome jsonb;
     v_view jsonb;
@@ -155,17 +157,23 @@ BEGIN
         v_seen := ARRAY[v_free];
         v_short := ARRAY[1];
     ELSE
+        -- A cart of several lines keeps its pool units locked and deletes
+        -- them only once every line is held: a short line then leaves the
+        -- pool as it was, instead of putting units back as new rows that a
+        -- waiting buyer cannot see.
         FOR i IN 1 .. cardinality(v_buckets) LOOP
             v_take := bucket_take_v1(p_tenant, v_buckets[i], p_quantities[i], v_now,
-                                     v_strategies[i], v_los[i], v_his[i]);
+                                     v_strategies[i], v_los[i], v_his[i],
+                                     cardinality(v_buckets) > 1);
             IF v_take.ok THEN
-                IF v_short = '{}' THEN
-                    v_taken := i;
-                ELSE
-                    PERFORM bucket_untake_v1(p_tenant, v_buckets[i], p_quantities[i],
-                                             v_strategies[i]);
+                v_from_free := v_from_free || v_take.from_free;
+                IF v_take.units IS NOT NULL THEN
+                    v_unit_buckets := v_unit_buckets
+                                      || array_fill(v_buckets[i], ARRAY[cardinality(v_take.units)]);
+                    v_unit_ids := v_unit_ids || v_take.units;
                 END IF;
             ELSE
+                v_from_free := v_from_free || 0;
                 v_short := v_short || i;
                 v_seen := v_seen || v_take.seen_available;
             END IF;
@@ -173,14 +181,14 @@ BEGIN
     END IF;
 
     IF v_short <> '{}' THEN
-        -- Give back what the lines before the first short one took. (A take
-        -- that came back true also tells the bucket's current strategy: a
-        -- switch waits for this transaction once it has taken anything.)
-        FOR i IN 1 .. v_taken LOOP
-            PERFORM bucket_untake_v1(
-                p_tenant, v_buckets[i], p_quantities[i],
-                (SELECT strategy FROM stock_bucket
-                 WHERE tenant_id = p_tenant AND bucket_id = v_buckets[i]));
+        -- Give back what the held lines took out of free (each such bucket's
+        -- row lock is this transaction's); kept pool units are unlocked at
+        -- commit.
+        FOR i IN 1 .. cardinality(v_from_free) LOOP
+            IF v_from_free[i] > 0 THEN
+                UPDATE stock_bucket SET free = free + v_from_free[i]
+                WHERE tenant_id = p_tenant AND bucket_id = v_buckets[i];
+            END IF;
         END LOOP;
         IF cardinality(v_short) = 1 AND v_seen[1] IS NOT NULL THEN
             -- the usual case, built without a query
@@ -200,16 +208,18 @@ BEGIN
         v_status := 'rejected';
         v_outcome := jsonb_build_object('status', 'rejected', 'reason', 'insufficient_stock',
                                         'short_lines', v_outcome);
-        -- This transaction took nothing: it only records the rejection. It
-        -- need not wait for its WAL to reach disk (sold out must be cheap). A
-        -- crash in the next few hundred milliseconds can lose the record;
-        -- nothing else is lost, and a retry of the key then runs afresh.
-        v_void := set_config('synchronous_commit', 'off', true);
+        -- A stored rejection commits durably like a hold: once the client has
+        -- seen it, a crash must not let the same key hold later.
         -- (ledger_record_v1, inline)
         INSERT INTO request_ledger (tenant_id, request_key, operation, digest, status, outcome)
         VALUES (p_tenant, p_key, 'reserve', p_digest, v_status, v_outcome)
         ON CONFLICT (tenant_id, request_key) DO NOTHING;
     ELSE
+        IF v_unit_ids <> '{}' THEN
+            DELETE FROM stock_unit u
+            USING unnest(v_unit_buckets, v_unit_ids) AS k(bucket, unit)
+            WHERE u.tenant_id = p_tenant AND u.bucket_id = k.bucket AND u.unit_id = k.unit;
+        END IF;
         v_id := gen_random_uuid();
         -- The same document reservation_view_v1 would read back, built from
         -- what is known here.
@@ -310,10 +320,10 @@ BEGIN
                     USING ERRCODE = 'PR425';
             END IF;
         END IF;
+        -- A shortfall stays until receipts pay it back: claiming a hold whose
+        -- units a forced correction found missing sells units still owed.
         UPDATE stock_bucket
-        SET on_hand = on_hand - v_line.quantity,
-            shortfall = least(shortfall, on_hand - v_line.quantity),
-            updated_at = v_now
+        SET on_hand = on_hand - v_line.quantity, updated_at = v_now
         WHERE tenant_id = p_tenant AND bucket_id = v_line.bucket_id;
         INSERT INTO stock_movement (tenant_id, bucket_id, kind, quantity, reservation_id, line_no)
         VALUES (p_tenant, v_line.bucket_id, 'sale', -v_line.quantity, p_id, v_line.line_no);
@@ -408,8 +418,12 @@ BEGIN
 END $$;
 
 -- The sweeper: expire up to p_batch due reservations in one transaction.
--- SKIP LOCKED lets several sweepers run at once; the locking read re-checks
--- status and expiry on the latest row version.
+-- Headers are taken with SKIP LOCKED (several sweepers run at once; the
+-- locking read re-checks status and expiry on the latest row version). Their
+-- held lines are then locked and their buckets written in one order for the
+-- whole batch, (tenant, sku, location), the order carts take buckets in: a
+-- batch of many reservations never holds one bucket while waiting for an
+-- earlier one.
 CREATE OR REPLACE FUNCTION expire_due_v1(p_batch integer, p_now timestamptz DEFAULT NULL)
 RETURNS integer LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
@@ -417,26 +431,59 @@ SET enable_seqscan = off
 AS $$
 DECLARE
     v_now timestamptz := coalesce(p_now, clock_timestamp());
-    v_res record;
-    v_count integer := 0;
+    v_tenants bigint[];
+    v_ids uuid[];
+    v_bucket record;
 BEGIN
-    FOR v_res IN
-        SELECT tenant_id, reservation_id FROM reservation
-        WHERE status = 'active' AND expires_at <= v_now
-        ORDER BY expires_at
-        LIMIT p_batch
-        FOR UPDATE SKIP LOCKED
+    SELECT array_agg(tenant_id), array_agg(reservation_id) INTO v_tenants, v_ids
+    FROM (SELECT tenant_id, reservation_id FROM reservation
+          WHERE status = 'active' AND expires_at <= v_now
+          ORDER BY expires_at
+          LIMIT p_batch
+          FOR UPDATE SKIP LOCKED) due;
+    IF v_ids IS NULL THEN
+        RETURN 0;
+    END IF;
+    FOR v_bucket IN
+        WITH due AS (
+            SELECT l.tenant_id, l.reservation_id, l.line_no, l.bucket_id, l.quantity,
+                   b.sku, b.location
+            FROM unnest(v_tenants, v_ids) AS r(tenant_id, reservation_id)
+            JOIN reservation_line l
+              ON l.tenant_id = r.tenant_id AND l.reservation_id = r.reservation_id
+            JOIN stock_bucket b ON b.tenant_id = l.tenant_id AND b.bucket_id = l.bucket_id
+            WHERE l.held
+            ORDER BY l.tenant_id, b.sku, b.location, l.reservation_id, l.line_no
+            FOR UPDATE OF l
+        ), given_up AS (
+            UPDATE reservation_line l SET held = false
+            FROM due
+            WHERE (l.tenant_id, l.reservation_id, l.line_no)
+                = (due.tenant_id, due.reservation_id, due.line_no)
+        ), logged AS (
+            INSERT INTO stock_movement (tenant_id, bucket_id, kind, quantity, reservation_id,
+                                        line_no, reason)
+            SELECT tenant_id, bucket_id, 'restore', quantity, reservation_id, line_no,
+                   'expired'
+            FROM due
+        )
+        SELECT tenant_id, bucket_id, sum(quantity)::integer AS quantity
+        FROM due
+        GROUP BY tenant_id, bucket_id, sku, location
+        ORDER BY tenant_id, sku, location
     LOOP
-        PERFORM reservation_give_back_v1(v_res.tenant_id, v_res.reservation_id, 'expired',
-                                         v_now);
-        UPDATE reservation SET status = 'expired', expired_at = v_now
-        WHERE tenant_id = v_res.tenant_id AND reservation_id = v_res.reservation_id;
-        INSERT INTO outbox_event (tenant_id, type, payload)
-        VALUES (v_res.tenant_id, 'reservation.expired',
-                reservation_view_v1(v_res.tenant_id, v_res.reservation_id, v_now));
-        v_count := v_count + 1;
+        PERFORM bucket_give_back_v1(v_bucket.tenant_id, v_bucket.bucket_id, v_bucket.quantity,
+                                    v_now);
     END LOOP;
-    RETURN v_count;
+    UPDATE reservation r SET status = 'expired', expired_at = v_now
+    FROM unnest(v_tenants, v_ids) AS d(tenant_id, reservation_id)
+    WHERE r.tenant_id = d.tenant_id AND r.reservation_id = d.reservation_id;
+    INSERT INTO outbox_event (tenant_id, type, payload)
+    SELECT d.tenant_id, 'reservation.expired',
+           reservation_view_v1(d.tenant_id, d.reservation_id, v_now)
+    FROM unnest(v_tenants, v_ids) WITH ORDINALITY AS d(tenant_id, reservation_id, n)
+    ORDER BY d.n;
+    RETURN cardinality(v_ids);
 END $$;
 
 -- Claim, release or extend under a request key (the HTTP Idempotency-Key).

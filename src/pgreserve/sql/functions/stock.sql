@@ -77,12 +77,19 @@ BEGIN
     END IF;
     IF p_delta >= 0 THEN
         -- A receipt pays back any shortfall first, then becomes free stock.
+        -- on_hand stays within the bound every input is checked against
+        -- (2^53, exact in JSON numbers), so every sum stays representable.
         UPDATE stock_bucket
         SET on_hand = on_hand + p_delta - least(shortfall, p_delta),
             free = free + p_delta - least(shortfall, p_delta),
             shortfall = shortfall - least(shortfall, p_delta),
             updated_at = v_now
-        WHERE tenant_id = p_tenant AND bucket_id = v_bucket;
+        WHERE tenant_id = p_tenant AND bucket_id = v_bucket
+          AND on_hand + p_delta - least(shortfall, p_delta) <= 9007199254740992;
+        IF NOT FOUND THEN
+            RAISE EXCEPTION 'on_hand would exceed the maximum of 9007199254740992 units'
+                USING ERRCODE = 'PR400';
+        END IF;
     ELSE
         v_lock := bucket_lock_exclusive_v1(p_tenant, v_bucket);
         PERFORM bucket_apply_on_hand_v1(
@@ -109,6 +116,11 @@ LANGUAGE sql STABLE AS $$
     WITH now_ AS (SELECT coalesce(p_now, clock_timestamp()) AS now),
     figures AS (
         SELECT b.tenant_id, b.bucket_id, b.sku, b.location, b.on_hand, b.free, b.strategy,
+               b.shortfall,
+               -- physical units by the movement ledger: counts, adjustments, sales
+               (SELECT coalesce(sum(m.quantity), 0) FROM stock_movement m
+                 WHERE m.tenant_id = b.tenant_id AND m.bucket_id = b.bucket_id
+                   AND m.kind IN ('count', 'adjust', 'sale')) AS booked,
                (SELECT count(*) FROM stock_unit u
                  WHERE u.tenant_id = b.tenant_id AND u.bucket_id = b.bucket_id) AS pool,
                (SELECT coalesce(sum(quantity), 0) FROM reservation_line l
@@ -131,6 +143,13 @@ LANGUAGE sql STABLE AS $$
     UNION ALL
     SELECT tenant_id, sku, location, 'pool_on_row_bucket', format('%s pool units', pool)
     FROM figures WHERE strategy = 'row' AND pool > 0
+    UNION ALL
+    -- on_hand less what a forced correction found missing is what the
+    -- movements say is there; a path that creates or destroys a unit breaks it
+    SELECT tenant_id, sku, location, 'ledger',
+           format('on_hand %s - shortfall %s <> %s by the movement ledger',
+                  on_hand, shortfall, booked)
+    FROM figures WHERE on_hand - shortfall <> booked
     UNION ALL
     -- a hold of a finished reservation must not be counted any more
     SELECT l.tenant_id, b.sku, b.location, 'finished_but_held',
