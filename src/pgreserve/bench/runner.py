@@ -20,6 +20,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from ..core.service import ReservationService
 from ..db.database import Database
+from ..db.queries import queries
 from ..errors import InvalidRequest, PgReserveError
 from ..workers.base import run_forever
 from ..workers.replenisher import Replenisher
@@ -103,7 +104,7 @@ async def run_strategy(dsn: str, scenario: Scenario, strategy: str, *,
             await service.set_stock(tenant.id, scenario.sku(index), scenario.location,
                                     scenario.units, strategy=strategy,
                                     pool_cap=scenario.pool_cap if strategy == "pool" else None)
-        await admin.fetch("SELECT pg_stat_force_next_flush()")
+        await admin.fetch(queries["stats_flush"])
         await asyncio.sleep(0.05)
         before = await _snapshot(dsn)
 
@@ -184,7 +185,7 @@ async def _empty_tenant_of(service: ReservationService, admin: Database,
     if tenant is None:
         raise InvalidRequest("the API key is unknown to this database (pass the service's "
                              "--database-url)", field="api_key")
-    rows = await admin.fetch("SELECT count(*) FROM stock_bucket WHERE tenant_id = %s", (tenant,))
+    rows = await admin.fetch(queries["bucket_count"], (tenant,))
     if rows[0][0]:
         raise InvalidRequest("the API key's tenant already has stock: use a fresh tenant "
                              "(pgreserve tenant create) for each run", field="api_key")
@@ -286,9 +287,7 @@ async def _wait_backends_gone(dsn: str, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         while time.monotonic() < deadline:
-            cur = await conn.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
-                " AND datname = current_database()", (BUYERS_APP,))
+            cur = await conn.execute(queries["backend_count"], (BUYERS_APP,))
             row = await cur.fetchone()
             if row is None or row[0] == 0:
                 return
@@ -313,15 +312,9 @@ async def _settled_snapshot(dsn: str, timeout_s: float = 3.0) -> DbSnapshot:
 async def _snapshot(dsn: str) -> DbSnapshot:
     """Dead and live tuples of the pool partitions, and the database's transaction counters."""
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        cur = await conn.execute(
-            "SELECT coalesce(sum(n_dead_tup), 0), coalesce(sum(n_live_tup), 0),"
-            " coalesce(sum(n_tup_del), 0),"
-            " coalesce(sum(vacuum_count + autovacuum_count), 0)"
-            " FROM pg_stat_user_tables WHERE relname LIKE 'stock\\_unit\\_p%'")
+        cur = await conn.execute(queries["pool_partition_tuple_totals"])
         dead, live, deleted, vacuums = (await cur.fetchone()) or (0, 0, 0, 0)
-        cur = await conn.execute(
-            "SELECT deadlocks, xact_commit, xact_rollback FROM pg_stat_database"
-            " WHERE datname = current_database()")
+        cur = await conn.execute(queries["database_transaction_stats"])
         deadlocks, commits, rollbacks = (await cur.fetchone()) or (0, 0, 0)
     return DbSnapshot(int(dead), int(live), int(deleted), int(vacuums), int(deadlocks),
                       int(commits), int(rollbacks))
@@ -332,9 +325,7 @@ async def _watch_dead_tuples(dsn: str, stop: asyncio.Event, every_s: float = 0.5
     peak = 0
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         while not stop.is_set():
-            cur = await conn.execute(
-                "SELECT coalesce(sum(n_dead_tup), 0) FROM pg_stat_user_tables"
-                " WHERE relname LIKE 'stock\\_unit\\_p%'")
+            cur = await conn.execute(queries["pool_partition_dead_tuples"])
             row = await cur.fetchone()
             peak = max(peak, int(row[0]) if row else 0)
             try:
@@ -346,19 +337,7 @@ async def _watch_dead_tuples(dsn: str, stop: asyncio.Event, every_s: float = 0.5
 
 async def read_ledger(db: Database, tenant: int) -> Ledger:
     """The tenant's books, read in one statement."""
-    rows = await db.fetch(
-        """SELECT
-             (SELECT coalesce(sum(on_hand), 0) FROM stock_bucket WHERE tenant_id = %(t)s),
-             (SELECT coalesce(sum(free), 0) FROM stock_bucket WHERE tenant_id = %(t)s),
-             (SELECT count(*) FROM stock_unit WHERE tenant_id = %(t)s),
-             (SELECT coalesce(sum(quantity), 0) FROM reservation_line
-               WHERE tenant_id = %(t)s AND held),
-             (SELECT coalesce(sum(quantity), 0) FROM stock_movement
-               WHERE tenant_id = %(t)s AND kind = 'restore'),
-             (SELECT count(*) FROM reservation WHERE tenant_id = %(t)s),
-             (SELECT coalesce(sum(shortfall), 0) FROM stock_bucket WHERE tenant_id = %(t)s)""",
-        {"t": tenant},
-    )
+    rows = await db.fetch(queries["tenant_books_read"], {"t": tenant})
     return Ledger(*(int(v) for v in rows[0]))
 
 
