@@ -1,4 +1,6 @@
 # The two commands of the README's quick start: `make run` and `make test`.
+# One install serves both: the service, its tests and the bench they exercise
+# (extras test and bench; `pip install -e '.[dev]'` adds ruff and mypy).
 PYTHON ?= python3.11
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -10,7 +12,7 @@ $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found; set PYTHON=python3"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,bench]'
 	touch $(STAMP)
 
 run: $(STAMP)

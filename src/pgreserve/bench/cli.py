@@ -1,18 +1,22 @@
 """`pgreserve bench flash-sale`: run the benchmark and show what it measured.
 
 The integrator registers the group in pgreserve.cli with `main.add_command(bench)`.
+The benchmark's own libraries (histograms, plots) come with the `bench` extra;
+this module imports them only when a bench command runs, so the service's CLI
+loads without them and the bench says what to install.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
@@ -22,16 +26,35 @@ from rich.table import Table
 from ..db import migrate as migrations
 from ..db.embedded import EmbeddedServer
 from ..errors import InvalidRequest
-from . import report
 from .http import HttpTarget
-from .results import RunResult, ratios
-from .runner import BeforeCheck, run_scenario
 from .scenario import Scenario
+
+if TYPE_CHECKING:
+    from .results import RunResult
+    from .runner import BeforeCheck
+
+# The `bench` extra of pyproject.toml: import name -> distribution.
+BENCH_EXTRA_MODULES = {"hdrh": "hdrhistogram", "matplotlib": "matplotlib"}
+
+
+def require_bench_extra() -> None:
+    """Fail with what to install when a module of the `bench` extra is missing."""
+    missing = []
+    for module, distribution in BENCH_EXTRA_MODULES.items():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(distribution)
+    if missing:
+        raise click.ClickException(
+            f"the benchmark needs {', '.join(missing)}, which come with the bench extra: "
+            "pip install 'pgreserve[bench]'")
 
 
 @click.group()
 def bench() -> None:
-    """Benchmarks."""
+    """Benchmarks (they need the bench extra: pip install 'pgreserve[bench]')."""
+    require_bench_extra()
 
 
 @contextmanager
@@ -116,6 +139,8 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
                    database_url: str | None, target: str, url: str | None,
                    api_key: str | None) -> None:
         """Many buyers, few units: reservations/s, rejections/s, latency and the invariants."""
+        from . import report
+
         http: HttpTarget | None = None
         if target == "http":
             if url is not None:
@@ -188,6 +213,8 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
 
 def _run(dsn: str, scenario: Scenario, quiet: bool, err: Console,
          before_check: BeforeCheck | None, http: HttpTarget | None) -> list[RunResult]:
+    from .runner import run_scenario
+
     if quiet:
         return asyncio.run(run_scenario(dsn, scenario, before_check=before_check, http=http))
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -229,7 +256,9 @@ def server_bench(units: int, requests_: int, clients: int, strategy: str, pool_c
     Phase one sends exactly the units as requests (every one must hold), phase two
     the rest (every one must be a sold-out answer); exits 1 if any check fails.
     """
+    from . import report
     from . import server as srv
+    from .results import ratios
 
     strategies = ("row", "pool") if strategy == "all" else (strategy,)
     try:

@@ -24,12 +24,12 @@ from dataclasses import asdict
 from typing import Any
 
 from ..core.service import ReservationService
-from ..errors import PgReserveError
+from ..db.database import Database
+from .buyers import drive, sweep_until
 from .results import RunResult
 from .scenario import PlannedRequest, Scenario
 
 READY_TIMEOUT_S = 120.0
-SWEEP_EVERY_S = 0.25
 
 
 def split(requests: list[PlannedRequest], buyers: int,
@@ -52,9 +52,6 @@ def _child(number: int, dsn: str, scenario: Scenario, strategy: str, tenant: int
 async def _child_run(number: int, dsn: str, scenario: Scenario, strategy: str, tenant: int,
                      buyers: int, requests: list[PlannedRequest], application_name: str,
                      go: Any, zero: Any, done: Any, out: Any) -> None:
-    from ..db.database import Database
-    from .runner import _drive
-
     loop = asyncio.get_running_loop()
 
     async def gate() -> float:
@@ -69,7 +66,7 @@ async def _child_run(number: int, dsn: str, scenario: Scenario, strategy: str, t
     await db.open()
     try:
         out.put(("ready", number, None))
-        result = await _drive(ReservationService(db), None, tenant, scenario, strategy,
+        result = await drive(ReservationService(db), None, tenant, scenario, strategy,
                               requests, progress, buyers=buyers, gate=gate)
     finally:
         await db.close()
@@ -138,19 +135,6 @@ async def _next(loop: asyncio.AbstractEventLoop, out: Any, procs: list[Any],
                 raise RuntimeError(f"a buyer process exited with code {dead[0].exitcode}")
             if deadline is not None and time.monotonic() > deadline:
                 raise RuntimeError("buyer processes did not get ready in time") from None
-
-
-async def sweep_until(admin: ReservationService, stop: asyncio.Event) -> None:
-    """Expire due holds every SWEEP_EVERY_S, as the sweeper worker would, until `stop`."""
-    while not stop.is_set():
-        try:
-            await admin.expire_due()
-        except PgReserveError:
-            pass
-        try:
-            await asyncio.wait_for(stop.wait(), SWEEP_EVERY_S)
-        except TimeoutError:
-            pass
 
 
 async def _report(progress: Any, strategy: str, done: Any, stop: asyncio.Event) -> None:

@@ -9,24 +9,25 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
-from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from ..core.service import ReservationService
 from ..db.database import Database
-from ..errors import InvalidRequest, PgReserveError
+from ..db.queries import queries
+from ..errors import InvalidRequest
 from ..workers.base import run_forever
 from ..workers.replenisher import Replenisher
+from .buyers import Progress, drive
 from .http import HttpBuyer, HttpTarget, client_session, local_service
-from .processes import drive_processes, sweep_until
-from .results import ERROR, HELD, REJECTED, REPLAYED, DbSnapshot, Ledger, RunResult, Sample
-from .scenario import PlannedRequest, Scenario, plan
+from .processes import drive_processes
+from .results import DbSnapshot, Ledger, RunResult
+from .scenario import Scenario, plan
 
 BUYERS_APP = "pgreserve:bench-buyer"
 ADMIN_APP = "pgreserve:bench-admin"
@@ -41,18 +42,6 @@ class CheckContext:
     strategy: str
 
 
-class Buyer(Protocol):
-    """What a buyer calls: the library (ReservationService) or the HTTP API (HttpBuyer)."""
-
-    async def reserve(self, tenant: int, request_key: str, lines: Iterable[Any], *,
-                      ttl: timedelta) -> Any: ...
-
-    async def claim(self, tenant: int, reservation_id: str) -> Any: ...
-
-    async def release(self, tenant: int, reservation_id: str) -> Any: ...
-
-
-Progress = Callable[[str, int], None]
 BeforeCheck = Callable[[CheckContext], Awaitable[None]]
 
 
@@ -103,7 +92,7 @@ async def run_strategy(dsn: str, scenario: Scenario, strategy: str, *,
             await service.set_stock(tenant.id, scenario.sku(index), scenario.location,
                                     scenario.units, strategy=strategy,
                                     pool_cap=scenario.pool_cap if strategy == "pool" else None)
-        await admin.fetch("SELECT pg_stat_force_next_flush()")
+        await admin.fetch(queries["stats_flush"])
         await asyncio.sleep(0.05)
         before = await _snapshot(dsn)
 
@@ -129,7 +118,7 @@ async def run_strategy(dsn: str, scenario: Scenario, strategy: str, *,
                                  application_name=BUYERS_APP)
             await buyers_db.open()
             try:
-                result = await _drive(ReservationService(buyers_db), service, tenant.id,
+                result = await drive(ReservationService(buyers_db), service, tenant.id,
                                       scenario, strategy, requests, progress)
             finally:
                 await buyers_db.close()
@@ -142,7 +131,7 @@ async def run_strategy(dsn: str, scenario: Scenario, strategy: str, *,
             try:
                 async with _api(dsn, http, scenario.buyers) as url, \
                         client_session(scenario.buyers) as session:
-                    result = await _drive(HttpBuyer(session, url, api_key), service, tenant.id,
+                    result = await drive(HttpBuyer(session, url, api_key), service, tenant.id,
                                           scenario, strategy, requests, progress)
             finally:
                 stop_watch.set()
@@ -184,91 +173,11 @@ async def _empty_tenant_of(service: ReservationService, admin: Database,
     if tenant is None:
         raise InvalidRequest("the API key is unknown to this database (pass the service's "
                              "--database-url)", field="api_key")
-    rows = await admin.fetch("SELECT count(*) FROM stock_bucket WHERE tenant_id = %s", (tenant,))
+    rows = await admin.fetch(queries["bucket_count"], (tenant,))
     if rows[0][0]:
         raise InvalidRequest("the API key's tenant already has stock: use a fresh tenant "
                              "(pgreserve tenant create) for each run", field="api_key")
     return Tenant(tenant, "api-key tenant")
-
-
-async def _drive(buyer: Buyer, admin: ReservationService | None, tenant: int,
-                 scenario: Scenario, strategy: str, requests: list[PlannedRequest],
-                 progress: Progress | None, *, buyers: int | None = None,
-                 gate: Callable[[], Awaitable[float]] | None = None) -> RunResult:
-    """Run `requests` with `buyers` concurrent buyers (default: the scenario's).
-
-    `gate` waits for the go signal and returns the run's time zero (a
-    perf_counter value shared by all buyer processes); without it the run
-    starts at once. The sweeper runs here when holds expire and `admin` is given.
-    """
-    samples: list[Sample] = []
-    result = RunResult(strategy, scenario, samples, 0.0)
-    queue = iter(requests)
-    hold_ttl = timedelta(seconds=scenario.hold_ttl_s)
-    expire_ttl = timedelta(seconds=scenario.expire_ttl_s)
-    start = asyncio.Event()
-    done = asyncio.Event()
-    t0 = 0.0
-
-    async def one_buyer(number: int) -> None:
-        previous: tuple[str, list[tuple[str, str, int]], timedelta] | None = None
-        await start.wait()
-        for req in queue:  # one shared iterator: each request is taken by one buyer
-            if req.retry and previous is not None:
-                key, lines, ttl = previous
-            else:
-                key = f"r{req.seq}"
-                lines = [(scenario.sku(req.sku), scenario.location, req.quantity)]
-                ttl = expire_ttl if req.fate == "expire" else hold_ttl
-                previous = (key, lines, ttl)
-            began = time.perf_counter()
-            try:
-                out = await buyer.reserve(tenant, key, lines, ttl=ttl)
-            except (PgReserveError, psycopg.Error) as exc:
-                samples.append(Sample(req.seq, began - t0, time.perf_counter() - t0, ERROR, 0))
-                result.error_kinds[type(exc).__name__] += 1
-            else:
-                ended = time.perf_counter()
-                if out.replayed:
-                    outcome = REPLAYED
-                else:
-                    outcome = HELD if out.held else REJECTED
-                units = sum(q for _, _, q in lines) if outcome == HELD else 0
-                samples.append(Sample(req.seq, began - t0, ended - t0, outcome, units))
-                if outcome == HELD and out.reservation is not None:
-                    await _follow_up(buyer, tenant, out.reservation.id, req, units, result)
-            if progress is not None:
-                progress(strategy, 1)
-
-    tasks = [asyncio.create_task(one_buyer(i)) for i in range(buyers or scenario.buyers)]
-    sweep = asyncio.create_task(sweep_until(admin, done)) \
-        if scenario.expire > 0 and admin else None
-    t0 = await gate() if gate is not None else time.perf_counter()
-    start.set()
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        done.set()
-        if sweep is not None:
-            await sweep
-    result.elapsed_s = time.perf_counter() - t0
-    return result
-
-
-async def _follow_up(buyer: Buyer, tenant: int, reservation_id: str,
-                     req: PlannedRequest, units: int, result: RunResult) -> None:
-    """What happens to a granted hold: payment succeeds (claim) or fails (release)."""
-    try:
-        if req.fate == "claim":
-            await buyer.claim(tenant, reservation_id)
-            result.claimed += 1
-            result.claimed_units += units
-        elif req.fate == "release":
-            await buyer.release(tenant, reservation_id)
-            result.released += 1
-    except (PgReserveError, psycopg.Error) as exc:
-        result.followup_errors += 1
-        result.error_kinds[f"{req.fate}:{type(exc).__name__}"] += 1
 
 
 async def _settle_expiries(service: ReservationService, scenario: Scenario,
@@ -286,9 +195,7 @@ async def _wait_backends_gone(dsn: str, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         while time.monotonic() < deadline:
-            cur = await conn.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
-                " AND datname = current_database()", (BUYERS_APP,))
+            cur = await conn.execute(queries["backend_count"], (BUYERS_APP,))
             row = await cur.fetchone()
             if row is None or row[0] == 0:
                 return
@@ -313,15 +220,9 @@ async def _settled_snapshot(dsn: str, timeout_s: float = 3.0) -> DbSnapshot:
 async def _snapshot(dsn: str) -> DbSnapshot:
     """Dead and live tuples of the pool partitions, and the database's transaction counters."""
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        cur = await conn.execute(
-            "SELECT coalesce(sum(n_dead_tup), 0), coalesce(sum(n_live_tup), 0),"
-            " coalesce(sum(n_tup_del), 0),"
-            " coalesce(sum(vacuum_count + autovacuum_count), 0)"
-            " FROM pg_stat_user_tables WHERE relname LIKE 'stock\\_unit\\_p%'")
+        cur = await conn.execute(queries["pool_partition_tuple_totals"])
         dead, live, deleted, vacuums = (await cur.fetchone()) or (0, 0, 0, 0)
-        cur = await conn.execute(
-            "SELECT deadlocks, xact_commit, xact_rollback FROM pg_stat_database"
-            " WHERE datname = current_database()")
+        cur = await conn.execute(queries["database_transaction_stats"])
         deadlocks, commits, rollbacks = (await cur.fetchone()) or (0, 0, 0)
     return DbSnapshot(int(dead), int(live), int(deleted), int(vacuums), int(deadlocks),
                       int(commits), int(rollbacks))
@@ -332,9 +233,7 @@ async def _watch_dead_tuples(dsn: str, stop: asyncio.Event, every_s: float = 0.5
     peak = 0
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         while not stop.is_set():
-            cur = await conn.execute(
-                "SELECT coalesce(sum(n_dead_tup), 0) FROM pg_stat_user_tables"
-                " WHERE relname LIKE 'stock\\_unit\\_p%'")
+            cur = await conn.execute(queries["pool_partition_dead_tuples"])
             row = await cur.fetchone()
             peak = max(peak, int(row[0]) if row else 0)
             try:
@@ -346,19 +245,7 @@ async def _watch_dead_tuples(dsn: str, stop: asyncio.Event, every_s: float = 0.5
 
 async def read_ledger(db: Database, tenant: int) -> Ledger:
     """The tenant's books, read in one statement."""
-    rows = await db.fetch(
-        """SELECT
-             (SELECT coalesce(sum(on_hand), 0) FROM stock_bucket WHERE tenant_id = %(t)s),
-             (SELECT coalesce(sum(free), 0) FROM stock_bucket WHERE tenant_id = %(t)s),
-             (SELECT count(*) FROM stock_unit WHERE tenant_id = %(t)s),
-             (SELECT coalesce(sum(quantity), 0) FROM reservation_line
-               WHERE tenant_id = %(t)s AND held),
-             (SELECT coalesce(sum(quantity), 0) FROM stock_movement
-               WHERE tenant_id = %(t)s AND kind = 'restore'),
-             (SELECT count(*) FROM reservation WHERE tenant_id = %(t)s),
-             (SELECT coalesce(sum(shortfall), 0) FROM stock_bucket WHERE tenant_id = %(t)s)""",
-        {"t": tenant},
-    )
+    rows = await db.fetch(queries["tenant_books_read"], {"t": tenant})
     return Ledger(*(int(v) for v in rows[0]))
 
 

@@ -25,8 +25,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from psycopg import sql
+
 from ..core.service import ReservationService
 from ..db.database import Database
+from ..db.queries import queries
 from ..errors import InvalidRequest
 from ..workers.base import run_forever
 from ..workers.replenisher import Replenisher
@@ -155,11 +158,11 @@ def parse_report(text: str) -> Phase:
 
 def script(tenant: int) -> str:
     """One reserve of one unit of the hot SKU under a random key (2^63 values: never reused)."""
-    return (
-        "\\set r random(1, 9000000000000000000)\n"
-        f"SELECT reserve_v1({int(tenant)}, '{KEY_PREFIX}' || :client_id || '-' || :r, "
-        "'pgbench', '{" + SKU + "}'::text[], '{" + LOCATION + "}'::text[], '{1}'::integer[], "
-        "'15 minutes'::interval);\n")
+    text = sql.SQL(queries["pgbench_reserve_script"]).format(
+        tenant=sql.Literal(int(tenant)), key_prefix=sql.Literal(KEY_PREFIX),
+        skus=sql.Literal("{" + SKU + "}"), locations=sql.Literal("{" + LOCATION + "}"),
+        quantities=sql.Literal("{1}")).as_string(None)
+    return text + ";\n"
 
 
 async def _pgbench(binary: Path, dsn: str, script_file: Path, clients: int,
@@ -212,11 +215,8 @@ async def run_server_bench(dsn: str, strategy: str, *, units: int, requests: int
                     await refilling
         if replenisher is not None:
             run.background_refills = replenisher.refills
-        rows = await admin.fetch(
-            "SELECT count(*) FILTER (WHERE status = 'succeeded'),"
-            " count(*) FILTER (WHERE status = 'rejected')"
-            " FROM request_ledger WHERE tenant_id = %s AND request_key LIKE %s",
-            (tenant.id, KEY_PREFIX + "%"))
+        rows = await admin.fetch(queries["request_outcome_count"],
+                                 (tenant.id, KEY_PREFIX + "%"))
         run.held, run.rejected = int(rows[0][0]), int(rows[0][1])
         run.held_units = (await read_ledger(admin, tenant.id)).held
         run.violations = await violation_lines(service, tenant.id)

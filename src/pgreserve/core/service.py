@@ -14,12 +14,13 @@ import secrets
 import uuid
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
-from typing import Any, Protocol
+from typing import Any, LiteralString, Protocol
 from time import perf_counter
 
 from .. import validation as check
 from ..db import literals as lit
 from ..db.database import Database, Op
+from ..db.queries import queries
 from ..domain import (
     DEFAULT_TTL,
     MAX_ON_HAND,
@@ -62,6 +63,14 @@ OPS: dict[str, Op] = {op.action: op for op in (
     Op("replenisher", "refill", "worker/replenisher"),
     Op("janitor", "purge_request_keys", "worker/janitor"),
     Op("api", "events", "GET /v1/events"),
+    Op("api", "webhook_register", "POST /v1/webhooks"),
+    Op("api", "webhook_list", "GET /v1/webhooks"),
+    Op("api", "webhook_delete", "DELETE /v1/webhooks/{id}"),
+    Op("webhooks", "webhook_lease", "worker/webhooks"),
+    Op("webhooks", "webhook_events", "worker/webhooks"),
+    Op("webhooks", "webhook_advance", "worker/webhooks"),
+    Op("webhooks", "webhook_fail", "worker/webhooks"),
+    Op("webhooks", "webhook_release", "worker/webhooks"),
     Op("ops", "invariants", "ops/invariants"),
 )}
 
@@ -108,7 +117,7 @@ class ReservationService:
     async def create_tenant(self, name: str) -> Tenant:
         name = check.name(name, "tenant name")
         row = await self.db.call(
-            "INSERT INTO tenant (name) VALUES (%s) RETURNING tenant_id", (name,),
+            queries["tenant_create"], (name,),
             op=OPS["tenant_create"])
         return Tenant(int(row), name)
 
@@ -116,8 +125,8 @@ class ReservationService:
         """Create a tenant and its first API key; return both (the key is shown only once)."""
         name = check.name(name, "tenant name")
         key = apikeys.new_key()
-        row = await self.db.call("SELECT tenant_create_v1(%s, %s)", (name, apikeys.hash_key(key)),
-                                op=OPS["tenant_create"])
+        row = await self.db.call(queries["tenant_create_with_key"],
+                                 (name, apikeys.hash_key(key)), op=OPS["tenant_create"])
         return Tenant(int(row), name), key
 
     async def create_api_key(self, tenant: int) -> str:
@@ -125,7 +134,7 @@ class ReservationService:
         tenant = check.tenant_id(tenant)
         await self._require_tenant(tenant)
         key = apikeys.new_key()
-        await self.db.call("INSERT INTO api_key (tenant_id, key_hash) VALUES (%s, %s)",
+        await self.db.call(queries["api_key_create"],
                            (tenant, apikeys.hash_key(key)), op=OPS["api_key_create"])
         return key
 
@@ -134,14 +143,14 @@ class ReservationService:
         if not apikeys.plausible(key):
             return None
         rows = await self.db.fetch(
-            "SELECT tenant_id FROM api_key WHERE key_hash = %s AND revoked_at IS NULL",
+            queries["api_key_authenticate"],
             (apikeys.hash_key(key),), op=OPS["authenticate"],
         )
         return int(rows[0][0]) if rows else None
 
     async def tenant_by_name(self, name: str) -> Tenant | None:
-        rows = await self.db.fetch("SELECT tenant_id FROM tenant WHERE name = %s", (name,),
-                                  op=OPS["tenant_lookup"])
+        rows = await self.db.fetch(queries["tenant_find_by_name"], (name,),
+                                   op=OPS["tenant_lookup"])
         return Tenant(int(rows[0][0]), name) if rows else None
 
     # -- stock ---------------------------------------------------------------
@@ -157,7 +166,7 @@ class ReservationService:
         if pool_cap is not None:
             pool_cap = check.integer(pool_cap, "pool_cap", 1, 100_000)
         doc = await self.db.call(
-            "SELECT stock_set_v1(%s, %s, %s, %s, %s, %s, %s, %s)",
+            queries["stock_set"],
             (tenant, sku, location, on_hand, chosen.value if chosen else None, bool(force),
              pool_cap, self.clock()), op=OPS["stock_set"],
         )
@@ -174,7 +183,7 @@ class ReservationService:
         fingerprint = digest("adjust", {"sku": sku, "location": location, "delta": delta,
                                         "reason": reason, "force": bool(force)})
         doc = await self.db.call(
-            "SELECT stock_adjust_v1(%s, %s, %s, %s, %s, %s, %s, %s, %s)",
+            queries["stock_adjust"],
             (tenant, key, fingerprint, sku, location, delta, reason, bool(force), self.clock()),
             op=OPS["stock_adjust"],
         )
@@ -184,8 +193,7 @@ class ReservationService:
         tenant = check.tenant_id(tenant)
         sku, location = check.name(sku, "sku"), check.name(location, "location")
         rows = await self.db.fetch(
-            "SELECT bucket_view_v1(tenant_id, bucket_id, coalesce(%s, clock_timestamp()))"
-            " FROM stock_bucket WHERE tenant_id = %s AND sku = %s AND location = %s",
+            queries["bucket_view"],
             (self.clock(), tenant, sku, location), op=OPS["stock_get"],
         )
         if not rows:
@@ -215,8 +223,7 @@ class ReservationService:
         started = perf_counter()
         try:
             doc = await self.db.call(
-                "SELECT reserve_v1(%s, %s, %s, %s::text[], %s::text[], %s::integer[],"
-                " %s::interval, %s)",
+                queries["reservation_reserve"],
                 (tenant, key, fingerprint, lit.text_array(x.sku for x in cart),
                  lit.text_array(x.location for x in cart),
                  lit.int_array(x.quantity for x in cart), lit.interval(life), self.clock()),
@@ -235,7 +242,7 @@ class ReservationService:
         """Payment succeeded: deduct the held units for good. Repeating it changes nothing."""
         if request_key is not None:
             return await self._keyed(tenant, request_key, "claim", reservation_id, None)
-        return await self._transition("SELECT claim_v1(%s, %s, %s)", "claim", tenant,
+        return await self._transition(queries["reservation_claim"], "claim", tenant,
                                       reservation_id)
 
     async def release(self, tenant: int, reservation_id: str | uuid.UUID, *,
@@ -243,7 +250,7 @@ class ReservationService:
         """Payment failed: give the units back, once. Repeating it changes nothing."""
         if request_key is not None:
             return await self._keyed(tenant, request_key, "release", reservation_id, None)
-        return await self._transition("SELECT release_v1(%s, %s, %s)", "release", tenant,
+        return await self._transition(queries["reservation_release"], "release", tenant,
                                       reservation_id)
 
     async def extend(self, tenant: int, reservation_id: str | uuid.UUID,
@@ -260,7 +267,7 @@ class ReservationService:
         life = check.ttl(ttl)
         started = perf_counter()
         try:
-            doc = await self.db.call("SELECT extend_v1(%s, %s, %s, %s)",
+            doc = await self.db.call(queries["reservation_extend"],
                                      (tenant, rid, life, self.clock()), op=OPS["extend"])
         except Exception as exc:
             self._observe("extend", _failure(exc), started)
@@ -280,7 +287,7 @@ class ReservationService:
         started = perf_counter()
         try:
             doc = await self.db.call(
-                "SELECT transition_keyed_v1(%s, %s, %s, %s, %s, %s, %s)",
+                queries["reservation_transition_keyed"],
                 (tenant, key, operation, digest(operation, params), rid, life, self.clock()),
                 op=OPS[operation],
             )
@@ -295,7 +302,7 @@ class ReservationService:
         tenant = check.tenant_id(tenant)
         rid = _reservation_id(reservation_id)
         rows = await self.db.fetch(
-            "SELECT reservation_view_v1(%s, %s, coalesce(%s, clock_timestamp()))",
+            queries["reservation_view"],
             (tenant, rid, self.clock()), op=OPS["reservation_get"],
         )
         if not rows or rows[0][0] is None:
@@ -307,7 +314,7 @@ class ReservationService:
         """Expire up to `batch` (at most 500) due reservations in one transaction."""
         batch = check.integer(batch, "batch", 1, SWEEP_BATCH_MAX)
         started = perf_counter()
-        n = int(await self.db.call("SELECT expire_due_v1(%s, %s)", (batch, self.clock()),
+        n = int(await self.db.call(queries["reservation_expire_due"], (batch, self.clock()),
                                    op=OPS["expire_due"]))
         self._observe("expire_due", str(n), started)
         return n
@@ -315,7 +322,7 @@ class ReservationService:
     async def refill_candidates(self, low_water: float, limit: int) -> list[tuple[int, int]]:
         """Pool buckets under `low_water` x pool_cap with free stock, most depleted first."""
         rows = await self.db.fetch(
-            "SELECT tenant_id, bucket_id FROM pool_refill_candidates_v1(%s::real, %s::integer)",
+            queries["pool_refill_candidate_list"],
             (low_water, limit), op=OPS["refill_candidates"],
         )
         return [(int(r[0]), int(r[1])) for r in rows]
@@ -323,7 +330,7 @@ class ReservationService:
     async def refill(self, tenant: int, bucket_id: int) -> int | None:
         """Refill one pool bucket to its cap; None when another transaction holds it."""
         started = perf_counter()
-        added = await self.db.call("SELECT pool_refill_v1(%s, %s, %s)",
+        added = await self.db.call(queries["pool_refill"],
                                    (tenant, bucket_id, self.clock()), op=OPS["refill"])
         self._observe("refill", str(added or 0), started)
         return None if added is None else int(added)
@@ -333,31 +340,29 @@ class ReservationService:
         if not isinstance(keep, timedelta) or keep < timedelta(0):
             raise InvalidRequest("keep must be a non-negative duration", field="keep")
         batch = check.integer(batch, "batch", 1, 100_000)
-        return int(await self.db.call("SELECT request_keys_purge_v1(%s, %s, %s)",
+        return int(await self.db.call(queries["request_key_purge"],
                                       (keep, batch, self.clock()),
                                       op=OPS["purge_request_keys"]))
 
     # -- events ----------------------------------------------------------------
 
     async def events(self, tenant: int, after: tuple[int, int] | None = None,
-                     limit: int = 100) -> EventPage:
+                     limit: int = 100, *, op: Op | None = None) -> EventPage:
         """This tenant's outbox events in commit order, after a (xid, event_id) cursor.
 
         Only events of transactions older than the snapshot's xmin are returned:
         every transaction below xmin has ended, so no event can later appear
-        before the cursor (see docs/api.md, "Events").
+        before the cursor (see docs/api.md, "Events"). `op` tags the read for a caller
+        other than GET /v1/events (the webhook deliverer).
         """
+        op = op or OPS["events"]
         tenant = check.tenant_id(tenant)
         limit = check.integer(limit, "limit", 1, 1000)
         xid, event_id = after if after is not None else (0, 0)
         check.integer(xid, "cursor", 0, 2**63 - 1)
         check.integer(event_id, "cursor", 0, 2**63 - 1)
         rows = await self.db.fetch(
-            "SELECT xid::text::bigint, event_id, type, payload, created_at FROM outbox_event"
-            " WHERE tenant_id = %s AND (xid, event_id) > (%s::text::xid8, %s)"
-            "   AND xid < pg_snapshot_xmin(pg_current_snapshot())"
-            " ORDER BY xid, event_id LIMIT %s",
-            (tenant, str(xid), event_id, limit), op=OPS["events"],
+            queries["event_list"], (tenant, str(xid), event_id, limit), op=op,
         )
         if not rows:
             await self._require_tenant(tenant)
@@ -373,8 +378,8 @@ class ReservationService:
         tenant = check.tenant_id(tenant)
         url = check.webhook_url(url)
         secret = WEBHOOK_SECRET_PREFIX + secrets.token_urlsafe(32)
-        doc = await self.db.call("SELECT webhook_register_v1(%s, %s, %s)",
-                                 (tenant, url, secret))
+        doc = await self.db.call(queries["webhook_register"], (tenant, url, secret),
+                                 op=OPS["webhook_register"])
         return Webhook(int(doc["id"]), str(doc["url"]), datetime.fromisoformat(doc["created_at"]),
                        secret=secret)
 
@@ -382,11 +387,7 @@ class ReservationService:
         """This tenant's endpoints with their delivery state (never their secrets)."""
         tenant = check.tenant_id(tenant)
         rows = await self.db.fetch(
-            "SELECT e.endpoint_id, e.url, e.created_at, d.delivered, d.attempts, d.last_error,"
-            "       d.last_attempt_at, d.last_success_at, d.next_attempt_at"
-            "  FROM webhook_endpoint e JOIN webhook_delivery d USING (tenant_id, endpoint_id)"
-            " WHERE e.tenant_id = %s ORDER BY e.endpoint_id",
-            (tenant,),
+            queries["webhook_list"], (tenant,), op=OPS["webhook_list"],
         )
         return [Webhook(int(r[0]), r[1], r[2], int(r[3]), int(r[4]), r[5], r[6], r[7], r[8])
                 for r in rows]
@@ -400,9 +401,8 @@ class ReservationService:
             raise WebhookNotFound(f"unknown webhook {webhook_id!r}") from None
         if not 1 <= wid <= 2**63 - 1:
             raise WebhookNotFound(f"unknown webhook {webhook_id!r}")
-        gone = await self.db.call(
-            "WITH d AS (DELETE FROM webhook_endpoint WHERE tenant_id = %s AND endpoint_id = %s"
-            " RETURNING 1) SELECT count(*) FROM d", (tenant, wid))
+        gone = await self.db.call(queries["webhook_delete"], (tenant, wid),
+                                  op=OPS["webhook_delete"])
         if not gone:
             raise WebhookNotFound(f"unknown webhook {wid}")
 
@@ -411,13 +411,12 @@ class ReservationService:
     async def invariant_violations(self, tenant: int | None = None) -> list[Violation]:
         """Every breach of the accounting rules (empty when all hold)."""
         rows = await self.db.fetch(
-            "SELECT tenant_id, sku, location, rule, detail"
-            " FROM invariant_violations_v1(%s, %s)",
+            queries["invariant_violation_list"],
             (tenant, self.clock()), op=OPS["invariants"],
         )
         return [Violation(int(r[0]), r[1], r[2], r[3], r[4]) for r in rows]
 
-    async def _transition(self, sql: Any, action: str, tenant: int,
+    async def _transition(self, sql: LiteralString, action: str, tenant: int,
                           reservation_id: str | uuid.UUID) -> Reservation:
         tenant = check.tenant_id(tenant)
         rid = _reservation_id(reservation_id)
@@ -433,7 +432,7 @@ class ReservationService:
     async def _require_tenant(self, tenant: int) -> None:
         from ..errors import UnknownTenant
 
-        rows = await self.db.fetch("SELECT 1 FROM tenant WHERE tenant_id = %s", (tenant,),
+        rows = await self.db.fetch(queries["tenant_exists"], (tenant,),
                                    op=OPS["tenant_lookup"])
         if not rows:
             raise UnknownTenant(f"unknown tenant {tenant}")

@@ -19,6 +19,7 @@ from psycopg.adapt import Transformer
 from psycopg_pool import AsyncConnectionPool
 
 from .. import errors
+from .queries import queries
 
 log = logging.getLogger(__name__)
 
@@ -110,10 +111,9 @@ class Database:
         self.stats = Stats()
         self.observer = observer
         self._statements: dict[str, _Statement] = {}
-        self._begin = sql_.SQL(
-            "BEGIN; SET LOCAL lock_timeout = {}; SET LOCAL statement_timeout = {}"
-        ).format(sql_.Literal(f"{int(self.settings.lock_timeout_ms)}ms"),
-                 sql_.Literal(f"{int(self.settings.statement_timeout_ms)}ms"))
+        self._begin = sql_.SQL(queries["transaction_begin"]).format(
+            sql_.Literal(f"{int(self.settings.lock_timeout_ms)}ms"),
+            sql_.Literal(f"{int(self.settings.statement_timeout_ms)}ms"))
         self.prepare_threshold = prepare_threshold
         self.role_pools = role_pools
         self.role_max_size = role_max_size or max_size
@@ -271,7 +271,8 @@ class Database:
         # each once.
         statement = self._statements.get(sql)
         if statement is None:
-            wrapped = sql_.SQL("{}; {}; COMMIT").format(self._begin, sql_.SQL(sql))
+            wrapped = sql_.SQL("; ").join(
+                [self._begin, sql_.SQL(sql), sql_.SQL(queries["transaction_commit"])])
             statement = self._statements[sql] = _Statement.parse(wrapped.as_bytes(None))
         return statement
 
@@ -328,7 +329,7 @@ class _Statement:
 async def _roll_back(conn: psycopg.AsyncConnection[Any]) -> None:
     """End a transaction a failed call left open, so the pool gets the connection back idle."""
     if not conn.closed and conn.info.transaction_status != pq.TransactionStatus.IDLE:
-        await conn.execute("ROLLBACK")
+        await conn.execute(queries["transaction_rollback"])
 
 
 def _connection_lost(exc: psycopg.errors.Error, state: str) -> bool:

@@ -11,8 +11,12 @@ import logging
 import os
 import warnings
 from pathlib import Path
+from typing import LiteralString
 
 import psycopg
+from psycopg import sql
+
+from .queries import queries
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,11 @@ def _zombie(pid: int | None) -> bool:
         return pid is None or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.Error:
         return True
+
+
+def _setting(template: LiteralString, key: str, value: str) -> sql.Composed:
+    """`template` with a setting's name (dotted for an extension's: `a.b`) and value."""
+    return sql.SQL(template).format(sql.Identifier(*key.split(".")), sql.Literal(value))
 
 
 def data_dir_from_env(data_dir: str | os.PathLike[str] | None) -> Path:
@@ -93,12 +102,11 @@ class EmbeddedServer:
             self._restart()
         admin = self.dsn("postgres")
         with psycopg.connect(admin, autocommit=True) as conn:
-            exists = conn.execute(
-                "SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,)
-            ).fetchone()
+            exists = conn.execute(queries["database_exists"], (DATABASE,)).fetchone()
             if not exists:
                 try:
-                    conn.execute(f'CREATE DATABASE "{DATABASE}"')
+                    conn.execute(sql.SQL(queries["database_create"]).format(
+                        sql.Identifier(DATABASE)))
                 except psycopg.errors.DuplicateDatabase:
                     pass
         return self.dsn(DATABASE)
@@ -118,10 +126,10 @@ class EmbeddedServer:
             return False
         with psycopg.connect(self.dsn("postgres"), autocommit=True) as conn:
             for key, value in wanted.items():
-                conn.execute(f"ALTER SYSTEM SET {key} = '{value}'")
+                conn.execute(_setting(queries["server_setting_set"], key, value))
             for key, value in ROLE_SETTINGS.items():
-                conn.execute(f"ALTER ROLE CURRENT_USER SET {key} = '{value}'")
-            conn.execute("SELECT pg_reload_conf()")
+                conn.execute(_setting(queries["role_setting_set"], key, value))
+            conn.execute(queries["server_config_reload"])
         marker.write_text(text)
         return True
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping
 from importlib import resources
+from importlib.resources.abc import Traversable
 from typing import LiteralString, cast
 
 _HEADER = re.compile(r"^-- name: ([a-z][a-z0-9_]*)\s*$")
@@ -47,15 +48,17 @@ def parse(text: str, *, source: str = "<string>") -> dict[str, LiteralString]:
 
 
 class Queries(Mapping[str, LiteralString]):
-    """Every named block of the package's query files, read on first use."""
+    """Every named block of the query files in `folder` (default: the package's
+    sql/queries/), read on first use."""
 
-    def __init__(self) -> None:
+    def __init__(self, folder: Traversable | None = None) -> None:
+        self._folder = folder
         self._blocks: dict[str, LiteralString] | None = None
 
     def _load(self) -> dict[str, LiteralString]:
         if self._blocks is None:
             blocks: dict[str, LiteralString] = {}
-            folder = resources.files("pgreserve") / "sql" / "queries"
+            folder = self._folder or resources.files("pgreserve") / "sql" / "queries"
             for entry in sorted(folder.iterdir(), key=lambda e: e.name):
                 if not entry.name.endswith(".sql"):
                     continue

@@ -18,23 +18,14 @@ from typing import Any
 
 import psycopg
 
+from ..db.database import Op, tagged
+from ..db.queries import queries
 from ..workers.base import LoopConfig
 
 log = logging.getLogger(__name__)
 
-PARTITIONS_SQL = """
-SELECT c.relname, coalesce(s.n_live_tup, 0), coalesce(s.n_dead_tup, 0),
-       s.last_autovacuum, s.last_vacuum, coalesce(s.autovacuum_count, 0),
-       coalesce(s.vacuum_count, 0), c.oid::bigint
-FROM pg_inherits i
-JOIN pg_class c ON c.oid = i.inhrelid
-LEFT JOIN pg_stat_all_tables s ON s.relid = c.oid
-WHERE i.inhparent = to_regclass('stock_unit')
-ORDER BY length(c.relname), c.relname
-""" + " /* app=pgreserve,route=worker/bloat,action=partitions */"
-
-XID_AGE_SQL = ("SELECT age(datfrozenxid)::bigint FROM pg_database WHERE datname = current_database()"
-               " /* app=pgreserve,route=worker/bloat,action=xid_age */")
+PARTITIONS = Op("bloat", "partitions", "worker/bloat")
+XID_AGE = Op("bloat", "xid_age", "worker/bloat")
 
 
 @dataclass(frozen=True)
@@ -123,7 +114,7 @@ class BloatMonitor:
             self._pgstattuple = False
             if self.config.use_pgstattuple:
                 try:
-                    await conn.execute("CREATE EXTENSION IF NOT EXISTS pgstattuple")
+                    await conn.execute(queries["pgstattuple_create"])
                     self._pgstattuple = True
                 except psycopg.Error as exc:  # not installed, or no privilege
                     log.info("pgstattuple unavailable: %s", exc)
@@ -132,8 +123,10 @@ class BloatMonitor:
     async def check(self) -> BloatReport:
         """Read every pool partition once and update the warning states."""
         conn = await self._connection()
-        rows = await (await conn.execute(PARTITIONS_SQL)).fetchall()
-        xid_row = await (await conn.execute(XID_AGE_SQL)).fetchone()
+        rows = await (await conn.execute(
+            tagged(queries["pool_partition_stat_list"], PARTITIONS))).fetchall()
+        xid_row = await (await conn.execute(
+            tagged(queries["database_xid_age"], XID_AGE))).fetchone()
         stattuple = await self._has_pgstattuple(conn) if rows else False
         now = time.monotonic()
         cfg = self.config
@@ -153,9 +146,7 @@ class BloatMonitor:
                                    int(av_count), int(v_count), state, high_for)
             if stattuple:
                 try:
-                    cur = await conn.execute(
-                        "SELECT dead_tuple_percent, approx_free_percent"
-                        " FROM pgstattuple_approx(%s::oid)", (oid,))
+                    cur = await conn.execute(queries["pool_partition_tuple_approx"], (oid,))
                     got = await cur.fetchone()
                     if got is not None:
                         part.approx_dead_pct, part.free_pct = float(got[0]), float(got[1])

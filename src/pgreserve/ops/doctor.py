@@ -10,6 +10,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import psycopg
+from psycopg import sql
+
+from ..db.queries import queries
 
 # The business-process pools one API process opens (see core/service.py OPS).
 API_ROLES = ("api", "stock", "reserve", "claim", "release", "extend", "admin", "ops")
@@ -27,6 +30,11 @@ class Finding:
         return asdict(self)
 
 
+def _fix(statement: str, why: str = "") -> str:
+    """A fix as printed: the statement, `;`, and why as a comment."""
+    return statement + ";" + (f"  -- {why}" if why else "")
+
+
 def _ms(setting: str, unit: str | None) -> float:
     """A time setting in milliseconds (pg_settings gives value and unit)."""
     factor = {"ms": 1.0, "s": 1000.0, "min": 60000.0, None: 1.0}.get(unit, 1.0)
@@ -39,12 +47,11 @@ def diagnose(dsn: str, *, pool_size: int = 10, processes: int = 1,
     out: list[Finding] = []
     with psycopg.connect(dsn, autocommit=True, application_name="pgreserve:doctor") as conn:
         def setting(name: str) -> tuple[str, str | None] | None:
-            row = conn.execute("SELECT setting, unit FROM pg_settings WHERE name = %s",
-                               (name,)).fetchone()
+            row = conn.execute(queries["setting_get"], (name,)).fetchone()
             return (str(row[0]), row[1]) if row else None
 
         # What a new session of this role gets: system, database and role settings.
-        role = str(conn.execute("SELECT current_user").fetchone()[0])  # type: ignore[index]
+        role = str(conn.execute(queries["role_current"]).fetchone()[0])  # type: ignore[index]
 
         v = setting("idle_in_transaction_session_timeout")
         ms = _ms(*v) if v else 0.0
@@ -52,9 +59,8 @@ def diagnose(dsn: str, *, pool_size: int = 10, processes: int = 1,
             "idle_in_transaction_session_timeout",
             "fail" if ms == 0 else "warn" if ms > 60000 else "ok",
             "0 (disabled)" if ms == 0 else f"{ms:.0f}ms", "between 1s and 60s",
-            "ALTER SYSTEM SET idle_in_transaction_session_timeout = '15s'; "
-            "SELECT pg_reload_conf();  -- a forgotten transaction must not hold locks "
-            "and stop vacuum"))
+            _fix(queries["idle_in_transaction_timeout_fix"],
+                 "a forgotten transaction must not hold locks and stop vacuum")))
 
         for name, limit_ms, want in (("statement_timeout", 300000, "60s"),
                                      ("lock_timeout", 60000, "10s")):
@@ -65,32 +71,31 @@ def diagnose(dsn: str, *, pool_size: int = 10, processes: int = 1,
                 "fail" if ms == 0 else "warn" if ms > limit_ms else "ok",
                 "0 (unbounded)" if ms == 0 else f"{ms:.0f}ms",
                 f"non-zero, at most {limit_ms // 1000}s",
-                f"ALTER ROLE {role} SET {name} = '{want}';  -- the service sets a tighter "
-                "limit per transaction; this is the safety net for every other session"))
+                sql.SQL(queries["role_setting_fix"]).format(
+                    sql.Identifier(role), sql.Identifier(name), sql.Literal(want)
+                ).as_string(conn) + ";  -- the service sets a tighter limit per transaction; "
+                "this is the safety net for every other session"))
 
         v = setting("autovacuum_naptime")
         s_ = _ms(*v) / 1000 if v else 60.0
         out.append(Finding(
             "autovacuum_naptime", "fail" if s_ > 15 else "ok", f"{s_:g}s", "at most 15s",
-            "ALTER SYSTEM SET autovacuum_naptime = '1s'; SELECT pg_reload_conf();  "
-            "-- the pool partitions churn dead tuples every second"))
+            _fix(queries["autovacuum_naptime_fix"],
+                 "the pool partitions churn dead tuples every second")))
 
         v = setting("autovacuum_max_workers")
         n = int(v[0]) if v else 3
         out.append(Finding(
             "autovacuum_max_workers", "fail" if n < 5 else "ok", str(n), "at least 5",
-            "ALTER SYSTEM SET autovacuum_max_workers = 6;  -- restart; 16 pool partitions "
-            "compete for workers"))
+            _fix(queries["autovacuum_max_workers_fix"],
+                 "restart; 16 pool partitions compete for workers")))
 
         v = setting("autovacuum")
         out.append(Finding(
             "autovacuum", "ok" if v and v[0] == "on" else "fail", v[0] if v else "?", "on",
-            "ALTER SYSTEM SET autovacuum = on; SELECT pg_reload_conf();"))
+            _fix(queries["autovacuum_fix"])))
 
-        rows = conn.execute(
-            "SELECT c.relname, coalesce(array_to_string(c.reloptions, ','), '')"
-            " FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid"
-            " WHERE i.inhparent = to_regclass('stock_unit') ORDER BY c.relname").fetchall()
+        rows = conn.execute(queries["pool_partition_option_list"]).fetchall()
         if not rows:
             out.append(Finding("stock_unit partitions", "fail", "no stock_unit partitions",
                                "stock_unit_p0..p15 with autovacuum settings",
@@ -104,9 +109,7 @@ def diagnose(dsn: str, *, pool_size: int = 10, processes: int = 1,
                 f"{len(rows) - len(missing)} of {len(rows)} partitions tuned"
                 + (f"; untuned: {', '.join(missing)}" if missing else ""),
                 "autovacuum_vacuum_scale_factor = 0 and a fixed threshold on every partition",
-                "ALTER TABLE <partition> SET (autovacuum_vacuum_scale_factor = 0.0, "
-                "autovacuum_vacuum_threshold = 1000, autovacuum_vacuum_cost_delay = 0)  "
-                "-- as in migration 0001"))
+                queries["pool_partition_autovacuum_fix"] + "  -- as in migration 0001"))
 
         v = setting("shared_preload_libraries")
         libs = v[0] if v else ""
@@ -118,28 +121,25 @@ def diagnose(dsn: str, *, pool_size: int = 10, processes: int = 1,
             f"shared_preload_libraries='{libs}', track="
             f"{track[0] if track else '(not loaded)'}",
             "preloaded, pg_stat_statements.track = all",
-            "ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'; ALTER SYSTEM "
-            "SET pg_stat_statements.track = 'all';  -- restart; then CREATE EXTENSION "
-            "pg_stat_statements (track=all sees the statements inside the functions)"))
+            _fix(queries["pg_stat_statements_preload_fix"], "restart; then CREATE EXTENSION "
+                 "pg_stat_statements (track=all sees the statements inside the functions)")))
         if ok:
-            ext = conn.execute("SELECT 1 FROM pg_extension WHERE extname = "
-                               "'pg_stat_statements'").fetchone()
+            ext = conn.execute(queries["pg_stat_statements_exists"]).fetchone()
             out.append(Finding(
                 "pg_stat_statements extension", "ok" if ext else "warn",
                 "created" if ext else "not created in this database", "created",
-                "CREATE EXTENSION pg_stat_statements;"))
+                _fix(queries["pg_stat_statements_create_fix"])))
 
         v = setting("log_lock_waits")
         out.append(Finding(
             "log_lock_waits", "ok" if v and v[0] == "on" else "fail", v[0] if v else "?",
-            "on", "ALTER SYSTEM SET log_lock_waits = on; SELECT pg_reload_conf();"))
+            "on", _fix(queries["log_lock_waits_fix"])))
 
         v = setting("track_functions")
         out.append(Finding(
             "track_functions", "ok" if v and v[0] in ("pl", "all") else "warn",
             v[0] if v else "?", "pl",
-            "ALTER SYSTEM SET track_functions = 'pl'; SELECT pg_reload_conf();  "
-            "-- counts inline vs background pool refills"))
+            _fix(queries["track_functions_fix"], "counts inline vs background pool refills")))
 
         max_conn = int(setting("max_connections")[0])  # type: ignore[index]
         reserved = sum(int(setting(x)[0]) for x in  # type: ignore[index]
@@ -153,16 +153,17 @@ def diagnose(dsn: str, *, pool_size: int = 10, processes: int = 1,
             f"max_connections={max_conn} ({usable} usable)",
             f">= {need} ({processes} process(es) x {len(API_ROLES)} role pools x "
             f"{pool_size} + {extra_connections} for workers and admin)",
-            f"ALTER SYSTEM SET max_connections = {max(need * 5 // 4, 100)};  -- restart; or "
-            "lower PGRESERVE_POOL_SIZE, or put PgBouncer in front (docs/operations.md)"))
+            sql.SQL(queries["max_connections_fix"]).format(
+                sql.Literal(max(need * 5 // 4, 100))).as_string(conn)
+            + ";  -- restart; or lower PGRESERVE_POOL_SIZE, or put PgBouncer in front "
+            "(docs/operations.md)"))
 
-        age = int(conn.execute("SELECT age(datfrozenxid) FROM pg_database"
-                               " WHERE datname = current_database()").fetchone()[0])  # type: ignore[index]
+        age = int(conn.execute(queries["database_xid_age"]).fetchone()[0])  # type: ignore[index]
         freeze = int(setting("autovacuum_freeze_max_age")[0])  # type: ignore[index]
         out.append(Finding(
             "xid age", "fail" if age > 1_000_000_000 else "warn" if age > freeze else "ok",
             f"age(datfrozenxid)={age}", f"below autovacuum_freeze_max_age ({freeze})",
-            "VACUUM (FREEZE) the oldest tables; find what holds back the xmin "
+            queries["database_freeze_fix"] + " the oldest tables; find what holds back the xmin "
             "(long transactions, idle in transaction, replication slots)"))
     return out
 

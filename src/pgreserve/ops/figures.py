@@ -9,39 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..db.database import Database, Op
+from ..db.queries import queries
 
 FIGURES = Op("ops", "figures", "ops/figures")
-
-HOT_BUCKETS_SQL = """
-SELECT b.tenant_id, t.name, b.sku, b.location, b.strategy, b.on_hand, b.free, b.pool_cap,
-       (SELECT count(*) FROM stock_unit u
-         WHERE u.tenant_id = b.tenant_id AND u.bucket_id = b.bucket_id) AS pool,
-       h.held, h.lines
-FROM stock_bucket b
-JOIN tenant t ON t.tenant_id = b.tenant_id
-CROSS JOIN LATERAL (
-    SELECT coalesce(sum(l.quantity), 0)::bigint AS held, count(*) AS lines
-    FROM reservation_line l
-    WHERE l.tenant_id = b.tenant_id AND l.bucket_id = b.bucket_id AND l.held) h
-ORDER BY h.held DESC, b.updated_at DESC
-LIMIT %s
-"""
-
-# `overdue`: active past expires_at, waiting for the sweeper (or a buyer) to give it back.
-HOLDS_SQL = """
-SELECT CASE WHEN status = 'active' AND expires_at <= clock_timestamp() THEN 'overdue'
-            ELSE status END, count(*)
-FROM reservation GROUP BY 1 ORDER BY 1
-"""
-
-REFILLS_SQL = """
-SELECT coalesce(sum(calls) FILTER (WHERE funcname = 'pool_replenish_v1'), 0)::bigint,
-       coalesce(sum(calls) FILTER (WHERE funcname = 'pool_refill_v1'), 0)::bigint,
-       current_setting('track_functions')
-FROM pg_stat_user_functions
-WHERE schemaname = current_schema() AND funcname IN ('pool_replenish_v1', 'pool_refill_v1')
-"""
-
 
 @dataclass(frozen=True)
 class HotBucket:
@@ -83,11 +53,12 @@ class Figures:
 
 async def read_figures(db: Database, hot: int = 10) -> Figures:
     """One consistent-enough read of the figures (three short autocommit queries)."""
-    rows = await db.fetch(HOT_BUCKETS_SQL, (hot,), op=FIGURES)
+    rows = await db.fetch(queries["bucket_hot_list"], (hot,), op=FIGURES)
     buckets = [HotBucket(int(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4]), int(r[5]),
                          int(r[6]), int(r[7]), int(r[8]), int(r[9]), int(r[10])) for r in rows]
-    holds = {str(r[0]): int(r[1]) for r in await db.fetch(HOLDS_SQL, op=FIGURES)}
-    ref = await db.fetch(REFILLS_SQL, op=FIGURES)
+    holds = {str(r[0]): int(r[1])
+             for r in await db.fetch(queries["hold_count_by_state"], op=FIGURES)}
+    ref = await db.fetch(queries["refill_count"], op=FIGURES)
     all_, background, track = (int(ref[0][0]), int(ref[0][1]), str(ref[0][2])) if ref \
         else (0, 0, "none")
     return Figures(buckets, holds, all_, background, track)

@@ -16,59 +16,12 @@ from typing import Any
 
 import psycopg
 
+from ..db.database import Op, tagged
+from ..db.queries import queries
+
 log = logging.getLogger("pgreserve.reconcile")
 
-BUCKETS_SQL = """
-SELECT b.tenant_id, b.bucket_id, b.sku, b.location, b.strategy, b.on_hand, b.free, b.shortfall,
-       (SELECT count(*) FROM stock_unit u
-         WHERE u.tenant_id = b.tenant_id AND u.bucket_id = b.bucket_id) AS pool,
-       (SELECT coalesce(sum(l.quantity), 0) FROM reservation_line l
-         WHERE l.tenant_id = b.tenant_id AND l.bucket_id = b.bucket_id AND l.held) AS held,
-       (SELECT coalesce(sum(l.quantity), 0) FROM reservation_line l
-         JOIN reservation r USING (tenant_id, reservation_id)
-         WHERE l.tenant_id = b.tenant_id AND l.bucket_id = b.bucket_id AND l.held
-           AND r.status = 'active' AND r.expires_at > clock_timestamp()) AS active_held,
-       (SELECT coalesce(-sum(m.quantity), 0) FROM stock_movement m
-         WHERE m.tenant_id = b.tenant_id AND m.bucket_id = b.bucket_id
-           AND m.kind = 'sale') AS claimed,
-       (SELECT coalesce(sum(m.quantity), 0) FROM stock_movement m
-         WHERE m.tenant_id = b.tenant_id AND m.bucket_id = b.bucket_id
-           AND m.kind = 'restore') AS restored,
-       (SELECT coalesce(sum(m.quantity), 0) FROM stock_movement m
-         WHERE m.tenant_id = b.tenant_id AND m.bucket_id = b.bucket_id
-           AND m.kind IN ('count', 'adjust', 'sale')) AS ledger_on_hand
-FROM stock_bucket b
-WHERE %(tenant)s::bigint IS NULL OR b.tenant_id = %(tenant)s::bigint
-ORDER BY b.tenant_id, b.sku, b.location
-"""
-
-# Held lines whose reservation row is missing, or whose bucket is.
-ORPHANS_SQL = """
-SELECT l.tenant_id, l.reservation_id::text, l.line_no, l.bucket_id, l.quantity,
-       r.reservation_id IS NULL AS no_reservation, b.bucket_id IS NULL AS no_bucket
-FROM reservation_line l
-LEFT JOIN reservation r USING (tenant_id, reservation_id)
-LEFT JOIN stock_bucket b ON b.tenant_id = l.tenant_id AND b.bucket_id = l.bucket_id
-WHERE l.held AND (r.reservation_id IS NULL OR b.bucket_id IS NULL)
-  AND (%(tenant)s::bigint IS NULL OR l.tenant_id = %(tenant)s::bigint)
-"""
-
-# A finished reservation (released, claimed, expired) whose line still holds units.
-FINISHED_HELD_SQL = """
-SELECT l.tenant_id, l.reservation_id::text, l.line_no, l.bucket_id, l.quantity, r.status
-FROM reservation_line l JOIN reservation r USING (tenant_id, reservation_id)
-WHERE l.held AND r.status <> 'active'
-  AND (%(tenant)s::bigint IS NULL OR l.tenant_id = %(tenant)s::bigint)
-"""
-
-# Active past expiry for longer than the grace (the sweeper runs every second).
-OVERDUE_SQL = """
-SELECT tenant_id, reservation_id::text, expires_at
-FROM reservation
-WHERE status = 'active' AND expires_at < clock_timestamp() - %(grace)s * interval '1 second'
-  AND (%(tenant)s::bigint IS NULL OR tenant_id = %(tenant)s::bigint)
-ORDER BY expires_at
-"""
+REPAIR = Op("reconcile", "repair", "cli/reconcile")
 
 
 @dataclass
@@ -125,14 +78,14 @@ def _check(dsn: str, tenant: int | None, grace_s: float) -> Reconciliation:
     out = Reconciliation()
     with psycopg.connect(dsn, autocommit=True, application_name="pgreserve:reconcile") as conn:
         # One snapshot for every figure.
-        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        conn.execute(queries["transaction_begin_snapshot"])
         out.books = [BucketBook(int(r[0]), int(r[1]), str(r[2]), str(r[3]), str(r[4]),
                                 *(int(x) for x in r[5:]))
-                     for r in conn.execute(BUCKETS_SQL, params).fetchall()]
-        orphans = conn.execute(ORPHANS_SQL, params).fetchall()
-        finished = conn.execute(FINISHED_HELD_SQL, params).fetchall()
-        overdue = conn.execute(OVERDUE_SQL, params).fetchall()
-        conn.execute("COMMIT")
+                     for r in conn.execute(queries["bucket_book_list"], params).fetchall()]
+        orphans = conn.execute(queries["hold_orphan_list"], params).fetchall()
+        finished = conn.execute(queries["hold_finished_list"], params).fetchall()
+        overdue = conn.execute(queries["reservation_overdue_list"], params).fetchall()
+        conn.execute(queries["transaction_commit"])
     names = {(b.tenant_id, b.bucket_id): f"{b.sku}@{b.location}" for b in out.books}
     for b in out.books:
         where = names[(b.tenant_id, b.bucket_id)]
@@ -175,9 +128,8 @@ def _repair(dsn: str, found: Reconciliation) -> list[str]:
     with psycopg.connect(dsn, autocommit=True, application_name="pgreserve:reconcile") as conn:
         total = 0
         for _ in range(max(1, overdue // 500 + 2)):  # bounded: one batch more than needed
-            n = int(conn.execute("SELECT expire_due_v1(500, NULL)"  # type: ignore[index]
-                                 " /* app=pgreserve,route=cli/reconcile,action=repair */"
-                                 ).fetchone()[0])
+            n = int(conn.execute(  # type: ignore[index]
+                tagged(queries["reservation_expire_overdue"], REPAIR)).fetchone()[0])
             total += n
             if n < 500:
                 break

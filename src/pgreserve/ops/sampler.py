@@ -16,17 +16,11 @@ from typing import Any
 
 import psycopg
 
+from ..db.database import Op, tagged
+from ..db.queries import queries
 from ..workers.base import LoopConfig
 
-SAMPLE_SQL = """
-SELECT pid, coalesce(nullif(application_name, ''), '(none)'), coalesce(state, 'unknown'),
-       extract(epoch FROM clock_timestamp() - xact_start)::float8,
-       extract(epoch FROM clock_timestamp() - state_change)::float8,
-       wait_event_type
-FROM pg_stat_activity
-WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()
-  AND (%(all)s OR datname = current_database())
-""" + " /* app=pgreserve,route=worker/sampler,action=sample */"
+SAMPLE = Op("sampler", "sample", "worker/sampler")
 
 
 @dataclass(frozen=True)
@@ -106,7 +100,8 @@ class HoldTimeSampler:
     async def sample(self) -> list[Session]:
         """Read pg_stat_activity once and fold it into the report."""
         conn = await self._connection()
-        cur = await conn.execute(SAMPLE_SQL, {"all": self.config.all_databases})
+        cur = await conn.execute(tagged(queries["activity_sample"], SAMPLE),
+                                 {"all": self.config.all_databases})
         rows = await cur.fetchall()
         now = time.monotonic()
         # The first sample counts one interval: a backend seen once was there

@@ -26,7 +26,8 @@ from typing import Any
 
 import aiohttp
 
-from ..core.service import ReservationService
+from ..core.service import OPS, ReservationService
+from ..db.queries import queries
 from ..domain import Event
 from .base import LoopConfig
 
@@ -166,14 +167,15 @@ class WebhookDeliverer:
         return total
 
     async def _claim(self, limit: int) -> list[Claim]:
-        docs = await self.service.db.call("SELECT webhook_claim_v1(%s, %s)",
-                                          (limit, timedelta(seconds=self.config.lease_s)))
+        docs = await self.service.db.call(queries["webhook_lease"],
+                                          (limit, timedelta(seconds=self.config.lease_s)),
+                                          op=OPS["webhook_lease"])
         return [Claim.from_json(d) for d in docs]
 
     async def _release(self, claim: Claim, after_s: float) -> None:
-        await self.service.db.call("SELECT webhook_release_v1(%s, %s, %s, %s)",
+        await self.service.db.call(queries["webhook_release"],
                                    (claim.tenant, claim.endpoint, claim.token,
-                                    timedelta(seconds=after_s)))
+                                    timedelta(seconds=after_s)), op=OPS["webhook_release"])
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -190,7 +192,8 @@ class WebhookDeliverer:
         sent = 0
         while sent < cfg.events_per_claim:
             page = await self.service.events(claim.tenant, after=cursor,
-                                             limit=min(100, cfg.events_per_claim - sent))
+                                             limit=min(100, cfg.events_per_claim - sent),
+                                             op=OPS["webhook_events"])
             if not page.events:
                 await self._release(claim, cfg.idle_poll_s)
                 return sent
@@ -199,17 +202,17 @@ class WebhookDeliverer:
                 if error is not None:
                     self.failed_attempts += 1
                     attempts = await self.service.db.call(
-                        "SELECT webhook_fail_v1(%s, %s, %s, %s, %s, %s)",
+                        queries["webhook_fail"],
                         (claim.tenant, claim.endpoint, claim.token, error,
                          timedelta(seconds=cfg.backoff_base_s),
-                         timedelta(seconds=cfg.backoff_cap_s)))
+                         timedelta(seconds=cfg.backoff_cap_s)), op=OPS["webhook_fail"])
                     log.info("webhooks: endpoint %s, event %s: %s (attempt %s)",
                              claim.endpoint, event.event_id, error, attempts)
                     return sent
                 kept = await self.service.db.call(
-                    "SELECT webhook_advance_v1(%s, %s, %s, %s, %s, %s)",
+                    queries["webhook_advance"],
                     (claim.tenant, claim.endpoint, claim.token, event.xid, event.event_id,
-                     lease))
+                     lease), op=OPS["webhook_advance"])
                 sent += 1
                 self.delivered += 1
                 if not kept:  # lease lost (endpoint deleted, or the lease ran out)

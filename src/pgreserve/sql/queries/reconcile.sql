@@ -1,0 +1,54 @@
+-- `pgreserve reconcile` (ops/reconcile.py): every figure of the books, read in one
+-- snapshot (transaction_begin_snapshot), and the one repair it may make.
+
+-- name: bucket_book_list
+SELECT b.tenant_id, b.bucket_id, b.sku, b.location, b.strategy, b.on_hand, b.free, b.shortfall,
+       (SELECT count(*) FROM stock_unit u
+         WHERE u.tenant_id = b.tenant_id AND u.bucket_id = b.bucket_id) AS pool,
+       (SELECT coalesce(sum(l.quantity), 0) FROM reservation_line l
+         WHERE l.tenant_id = b.tenant_id AND l.bucket_id = b.bucket_id AND l.held) AS held,
+       (SELECT coalesce(sum(l.quantity), 0) FROM reservation_line l
+         JOIN reservation r USING (tenant_id, reservation_id)
+         WHERE l.tenant_id = b.tenant_id AND l.bucket_id = b.bucket_id AND l.held
+           AND r.status = 'active' AND r.expires_at > clock_timestamp()) AS active_held,
+       (SELECT coalesce(-sum(m.quantity), 0) FROM stock_movement m
+         WHERE m.tenant_id = b.tenant_id AND m.bucket_id = b.bucket_id
+           AND m.kind = 'sale') AS claimed,
+       (SELECT coalesce(sum(m.quantity), 0) FROM stock_movement m
+         WHERE m.tenant_id = b.tenant_id AND m.bucket_id = b.bucket_id
+           AND m.kind = 'restore') AS restored,
+       (SELECT coalesce(sum(m.quantity), 0) FROM stock_movement m
+         WHERE m.tenant_id = b.tenant_id AND m.bucket_id = b.bucket_id
+           AND m.kind IN ('count', 'adjust', 'sale')) AS ledger_on_hand
+FROM stock_bucket b
+WHERE %(tenant)s::bigint IS NULL OR b.tenant_id = %(tenant)s::bigint
+ORDER BY b.tenant_id, b.sku, b.location;
+
+-- name: hold_orphan_list
+-- Held lines whose reservation row is missing, or whose bucket is.
+SELECT l.tenant_id, l.reservation_id::text, l.line_no, l.bucket_id, l.quantity,
+       r.reservation_id IS NULL AS no_reservation, b.bucket_id IS NULL AS no_bucket
+FROM reservation_line l
+LEFT JOIN reservation r USING (tenant_id, reservation_id)
+LEFT JOIN stock_bucket b ON b.tenant_id = l.tenant_id AND b.bucket_id = l.bucket_id
+WHERE l.held AND (r.reservation_id IS NULL OR b.bucket_id IS NULL)
+  AND (%(tenant)s::bigint IS NULL OR l.tenant_id = %(tenant)s::bigint);
+
+-- name: hold_finished_list
+-- A finished reservation (released, claimed, expired) whose line still holds units.
+SELECT l.tenant_id, l.reservation_id::text, l.line_no, l.bucket_id, l.quantity, r.status
+FROM reservation_line l JOIN reservation r USING (tenant_id, reservation_id)
+WHERE l.held AND r.status <> 'active'
+  AND (%(tenant)s::bigint IS NULL OR l.tenant_id = %(tenant)s::bigint);
+
+-- name: reservation_overdue_list
+-- Active past expiry for longer than the grace (the sweeper runs every second).
+SELECT tenant_id, reservation_id::text, expires_at
+FROM reservation
+WHERE status = 'active' AND expires_at < clock_timestamp() - %(grace)s * interval '1 second'
+  AND (%(tenant)s::bigint IS NULL OR tenant_id = %(tenant)s::bigint)
+ORDER BY expires_at;
+
+-- name: reservation_expire_overdue
+-- The repair: the sweeper's own function, one batch of 500, on the database clock.
+SELECT expire_due_v1(500, NULL);
