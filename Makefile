@@ -6,7 +6,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test soak clean
+.PHONY: run test soak race clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found; set PYTHON=python3"; exit 1; }
@@ -33,6 +33,11 @@ soak: $(STAMP)
 	  tail -n 3 .pgreserve/soak-pytest.log; \
 	  cat $(SOAK_REPORT) 2>/dev/null || echo "soak: no report (see .pgreserve/soak-pytest.log)"; \
 	  exit $$status
+
+# The race checker (tests/race) for SECONDS seconds of load per strategy;
+# PGRESERVE_RACE_SEED=N replays the random choices of a printed seed.
+race: $(STAMP)
+	PGRESERVE_RACE_SECONDS=$(SECONDS) $(BIN)/pytest -q -s -p no:cacheprovider -m race tests/race
 
 clean:
 	rm -rf $(VENV) .pgreserve .pytest_cache
