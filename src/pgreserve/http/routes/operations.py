@@ -8,6 +8,8 @@ from fastapi import APIRouter, Query, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import HTMLResponse, Response
 
+from ...db.database import Op
+from ...db.queries import queries
 from ...ops import web
 from .. import problems
 from ..dependencies import Metrics, service
@@ -15,6 +17,8 @@ from ..models import Health
 from ..responses import json_response
 
 router = APIRouter(tags=["operations"])
+
+HEALTH = Op("api", "health_check", "GET /healthz")
 
 # These routes look the service up in their body (not as a dependency) so
 # that a closed pool is answered after the request's own validation, as it
@@ -24,7 +28,7 @@ router = APIRouter(tags=["operations"])
 @router.get("/healthz", response_model=Health, responses=problems.responses(503))
 async def healthz(request: Request) -> Response:
     try:
-        await service(request).db.fetch("SELECT 1")
+        await service(request).db.fetch(queries["health_check"], op=HEALTH)
     except Exception as exc:
         raise problems.Unavailable(f"database unreachable: {type(exc).__name__}") from None
     return json_response(200, {"status": "ok"})
