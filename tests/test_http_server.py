@@ -1,4 +1,4 @@
-"""The HTTP server stack: uvicorn on uvloop and httptools, for `up`, `serve` and `serve --workers N`."""
+"""The server stack: uvicorn on uvloop and httptools for `up`, `serve`, `serve --workers N`."""
 
 from __future__ import annotations
 

@@ -116,8 +116,8 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
         state.owned_pool = OwnedPool(dsn, pool_size, pool_min_size, application_name,
                                      prepare_threshold)
         state.service = None
-    app.add_middleware(CountRequests, metrics=metrics)  # type: ignore[arg-type]
-    app.add_middleware(BodyLimit, limit=body_limit)  # type: ignore[arg-type]
+    app.add_middleware(CountRequests, metrics=metrics)
+    app.add_middleware(BodyLimit, limit=body_limit)
     return app
 
 

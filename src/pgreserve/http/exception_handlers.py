@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -20,15 +22,13 @@ from .routes import ROUTERS
 log = logging.getLogger(__name__)
 
 
-async def on_error(request: Request, exc: Exception) -> Response:
+async def on_error(request: Request, exc: errors.PgReserveError) -> Response:
     """A typed error: its status and code from problems.STATUS."""
-    assert isinstance(exc, errors.PgReserveError)
     return problems.problem_response(exc, unknown_stock=problems.unknown_stock_refs(exc))
 
 
-async def on_invalid(request: Request, exc: Exception) -> Response:
+async def on_invalid(request: Request, exc: RequestValidationError) -> Response:
     """FastAPI's validation errors: 422 invalid_request listing (up to 20 of) them."""
-    assert isinstance(exc, RequestValidationError)
     found = []
     for e in exc.errors()[:20]:
         loc = [x if isinstance(x, int) else str(x) for x in e.get("loc", ())]
@@ -40,9 +40,8 @@ async def on_invalid(request: Request, exc: Exception) -> Response:
     return problems.problem_response(errors.InvalidRequest(detail), errors=found)
 
 
-async def on_http(request: Request, exc: Exception) -> Response:
+async def on_http(request: Request, exc: StarletteHTTPException) -> Response:
     """Routing answers (404, 405 with every allowed method) and unparsable bodies."""
-    assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 405:
         # Starlette names only the first matching route's methods; name them all.
         # The routers' own routes: FastAPI >= 0.150 keeps included routers whole
@@ -51,7 +50,7 @@ async def on_http(request: Request, exc: Exception) -> Response:
         for router in ROUTERS:
             for route in router.routes:
                 if isinstance(route, APIRoute) and route.matches(request.scope)[0] != Match.NONE:
-                    allowed |= route.methods
+                    allowed |= route.methods or set()
         return problems.problem_response(problems.MethodNotAllowed("method not allowed"),
                                          headers={"Allow": ", ".join(sorted(allowed))})
     if exc.status_code == 404:
@@ -71,7 +70,9 @@ async def on_crash(request: Request, exc: Exception) -> Response:
     return problems.problem_response(problems.InternalError("internal error"))
 
 
-EXCEPTION_HANDLERS = {
+Handler = Callable[[Request, Any], Coroutine[Any, Any, Response]]
+
+EXCEPTION_HANDLERS: dict[int | type[Exception], Handler] = {
     errors.PgReserveError: on_error,
     RequestValidationError: on_invalid,
     StarletteHTTPException: on_http,

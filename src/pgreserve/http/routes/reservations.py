@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import AsyncContextManager
 
 from fastapi import APIRouter
 from starlette.responses import Response
@@ -61,7 +60,7 @@ async def transition(operation: str, run: Callable[[str | None], Awaitable[Reser
                      metrics: ApiMetrics) -> Response:
     """Claim, release or extend (`run(key)`), counted by result; a keyed one held in flight."""
     key = request_key(idempotency_key, required=False)
-    hold: AsyncContextManager[None] = (contextlib.nullcontext() if key is None
+    hold: contextlib.AbstractAsyncContextManager[None] = (contextlib.nullcontext() if key is None
                                        else keys.hold(tenant, key))
     try:
         async with hold:
