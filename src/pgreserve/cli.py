@@ -249,8 +249,10 @@ def up(database_url: str | None, data_dir: str | None, host: str, port: int,
         applied = migrations.migrate(dsn)
         for m in applied:
             console.print(f"applied migration {m.version:04d}_{m.name}")
-        asyncio.run(_run(dsn, http=(host, port), workers=True,
-                         key_retention_hours=key_retention_hours, announce=True))
+        from .http.server import run
+
+        run(_run(dsn, http=(host, port), workers=True,
+                 key_retention_hours=key_retention_hours, announce=True))
     console.print("pgreserve stopped cleanly")
 
 
@@ -265,11 +267,11 @@ def serve(database_url: str | None, data_dir: str | None, host: str, port: int,
     with _dsn(database_url, data_dir) as dsn:
         migrations.migrate(dsn)
         if processes == 1:
-            asyncio.run(_run(dsn, http=(host, port), workers=False, announce=True))
+            from .http.server import run
+
+            run(_run(dsn, http=(host, port), workers=False, announce=True))
         else:
             import os
-
-            import uvicorn
 
             os.environ["PGRESERVE_DATABASE_URL"] = dsn
             # prometheus_client multiprocess mode: each worker writes its values
@@ -279,9 +281,10 @@ def serve(database_url: str | None, data_dir: str | None, host: str, port: int,
 
                 os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(
                     prefix="pgreserve-metrics-")
+            from .http.server import run_workers
+
             console.print(f"pgreserve API on http://{host}:{port} ({processes} processes)")
-            uvicorn.run("pgreserve.http.app:app_from_env", factory=True, host=host, port=port,
-                        workers=processes, log_level="warning")
+            run_workers(host, port, processes)
     console.print("pgreserve stopped cleanly")
 
 

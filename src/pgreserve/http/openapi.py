@@ -1,0 +1,51 @@
+"""The OpenAPI document: FastAPI's, plus the Problem schema, key rules and links."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from .problems import Problem
+
+# Idempotency-Key is declared optional so that its absence reaches the handler
+# (400 idempotency_key_missing, not a generic 422); the document says where it
+# is required.
+KEYED_REQUIRED = {("post", "/v1/reservations"),
+                  ("post", "/v1/stock/{location}/{sku}/adjustments")}
+
+
+def openapi_schema(app: FastAPI) -> dict[str, Any]:
+    """The app's document, built once and cached on the app."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, summary=app.summary,
+                         routes=app.routes)
+    problem = Problem.model_json_schema(ref_template="#/components/schemas/{model}")
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components.update(problem.pop("$defs", {}))
+    components["Problem"] = problem
+    for path, operations in schema["paths"].items():
+        for method, op in operations.items():
+            for param in op.get("parameters", []):
+                if param["name"] == "Idempotency-Key":
+                    param["schema"] = {"type": "string", "minLength": 1, "maxLength": 200,
+                                       "pattern": r"^\S(.*\S)?$"}
+                    param["required"] = (method, path) in KEYED_REQUIRED
+    # Links: what a client (and a stateful test) can do with a reservation it
+    # has just created.
+    created = schema["paths"]["/v1/reservations"]["post"]["responses"]["201"]
+    by_id = {"reservation_id": "$response.body#/id"}
+    created["links"] = {
+        name: {"operationId": schema["paths"][target][verb]["operationId"],
+               "parameters": by_id}
+        for name, target, verb in (
+            ("GetReservation", "/v1/reservations/{reservation_id}", "get"),
+            ("ClaimReservation", "/v1/reservations/{reservation_id}/claim", "post"),
+            ("ReleaseReservation", "/v1/reservations/{reservation_id}/release", "post"),
+            ("ExtendReservation", "/v1/reservations/{reservation_id}/extend", "post"),
+        )
+    }
+    app.openapi_schema = schema
+    return schema

@@ -1,0 +1,103 @@
+"""/v1/reservations: hold a cart, read it, claim, release or extend it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable
+
+from fastapi import APIRouter
+from starlette.responses import Response
+
+from ... import errors
+from ...domain import Reservation, ReserveOutcome
+from .. import problems
+from ..dependencies import KeyHeader, Keys, Metrics, Service, Tenant, request_key
+from ..metrics import ApiMetrics
+from ..models import ExtendIn, ReservationOut, ReserveIn, reservation_doc
+from ..responses import COMMON, REPLAYED_HEADER, json_response
+
+router = APIRouter(tags=["reservations"])
+
+
+@router.post("/v1/reservations", status_code=201, response_model=ReservationOut,
+             responses=problems.responses(400, 404, 409, 413, *COMMON),
+             summary="Hold every line of a cart, or none")
+async def reserve(body: ReserveIn, tenant: Tenant, svc: Service, keys: Keys, metrics: Metrics,
+                  idempotency_key: KeyHeader = None) -> Response:
+    key = request_key(idempotency_key, required=True)
+    assert key is not None
+    async with keys.hold(tenant, key):
+        outcome = await svc.reserve(
+            tenant, key, [(x.sku, x.location, x.quantity) for x in body.lines],
+            ttl=body.ttl_seconds)
+    metrics.http_reserve_outcomes.labels("held" if outcome.held else "rejected",
+                                         str(outcome.replayed).lower()).inc()
+    return reserve_response(outcome)
+
+
+def reserve_response(outcome: ReserveOutcome) -> Response:
+    """201 with the reservation, or 409 insufficient_stock with its short lines."""
+    if outcome.held:
+        assert outcome.reservation is not None
+        return json_response(201, reservation_doc(outcome.reservation), outcome.replayed)
+    short = [{"sku": s.sku, "location": s.location, "requested": s.requested,
+              "available": s.available} for s in outcome.short_lines]
+    headers = {REPLAYED_HEADER: "true"} if outcome.replayed else None
+    return problems.problem_response(
+        problems.InsufficientStock(f"not enough stock for {len(short)} line(s)"),
+        headers=headers, short_lines=short)
+
+
+@router.get("/v1/reservations/{reservation_id}", response_model=ReservationOut,
+            responses=problems.responses(404, *COMMON))
+async def get_reservation(reservation_id: str, tenant: Tenant, svc: Service) -> Response:
+    found = await svc.get_reservation(tenant, reservation_id)
+    return json_response(200, reservation_doc(found))
+
+
+async def transition(operation: str, run: Callable[[str | None], Awaitable[Reservation]],
+                     tenant: int, idempotency_key: str | None, keys: Keys,
+                     metrics: ApiMetrics) -> Response:
+    """Claim, release or extend (`run(key)`), counted by result; a keyed one held in flight."""
+    key = request_key(idempotency_key, required=False)
+    hold: contextlib.AbstractAsyncContextManager[None] = (contextlib.nullcontext() if key is None
+                                       else keys.hold(tenant, key))
+    try:
+        async with hold:
+            r = await run(key)
+    except errors.PgReserveError as exc:
+        metrics.http_transitions.labels(operation, exc.code).inc()
+        raise
+    metrics.http_transitions.labels(operation, "ok").inc()
+    return json_response(200, reservation_doc(r), r.replayed)
+
+
+@router.post("/v1/reservations/{reservation_id}/claim", response_model=ReservationOut,
+             responses=problems.responses(404, 409, *COMMON),
+             summary="Payment succeeded: turn the hold into a sale (repeatable)")
+async def claim(reservation_id: str, tenant: Tenant, svc: Service, keys: Keys,
+                metrics: Metrics, idempotency_key: KeyHeader = None) -> Response:
+    return await transition(
+        "claim", lambda key: svc.claim(tenant, reservation_id, request_key=key),
+        tenant, idempotency_key, keys, metrics)
+
+
+@router.post("/v1/reservations/{reservation_id}/release", response_model=ReservationOut,
+             responses=problems.responses(404, 409, *COMMON),
+             summary="Payment failed: give the units back (repeatable)")
+async def release(reservation_id: str, tenant: Tenant, svc: Service, keys: Keys,
+                  metrics: Metrics, idempotency_key: KeyHeader = None) -> Response:
+    return await transition(
+        "release", lambda key: svc.release(tenant, reservation_id, request_key=key),
+        tenant, idempotency_key, keys, metrics)
+
+
+@router.post("/v1/reservations/{reservation_id}/extend", response_model=ReservationOut,
+             responses=problems.responses(404, 409, 413, *COMMON),
+             summary="New time to live for an active reservation, counted from now")
+async def extend(reservation_id: str, body: ExtendIn, tenant: Tenant, svc: Service, keys: Keys,
+                 metrics: Metrics, idempotency_key: KeyHeader = None) -> Response:
+    return await transition(
+        "extend", lambda key: svc.extend(tenant, reservation_id, body.ttl_seconds,
+                                         request_key=key),
+        tenant, idempotency_key, keys, metrics)
