@@ -50,13 +50,17 @@ Checks (each failure names its check):
 
 PGRESERVE_RACE_SECONDS sets the load per strategy, PGRESERVE_RACE_SEED the
 seed (printed, so a failure can be replayed with the same random choices; the
-interleaving itself is the machine's).
+interleaving itself is the machine's). PGRESERVE_RACE_DUMP=dir writes, for every
+flagged false_rejection, the checker's bounds and hold spans and the database's
+history of each bucket of the cart around the request (movements, stock.changed
+events, the lines and their expiry and give-up times) to a file in dir.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import re
 import shutil
@@ -757,6 +761,8 @@ class RaceRun:
                 least = [lines[sku].surely_available_throughout(rec.start, rec.end, q)
                          for sku, q in rec.cart]
                 if all(lo >= q for lo, (_, q) in zip(least, rec.cart)):
+                    if os.environ.get("PGRESERVE_RACE_DUMP"):
+                        self.dump_rejection(rec, lines)
                     self.violation("false_rejection", (
                         f"{rec.key}{' (raw)' if rec.raw else ''} {list(rec.cart)} rejected "
                         f"({rec.answer}) in {rec.end - rec.start:.3f} s, yet surely available "
@@ -773,6 +779,87 @@ class RaceRun:
                             f"{rec.key} held {q} of {sku} ({rec.rid}), yet at most {most} "
                             f"were available at any instant of its request"))
         self.report.analysis_s = time.time() - started
+
+    def dump_rejection(self, rec: Attempt, lines: dict[str, Timeline]) -> None:
+        """Opt-in (PGRESERVE_RACE_DUMP=dir): the database's and the checker's history of
+        every bucket of a flagged rejection around its request, to reconstruct by hand."""
+        out = Path(os.environ["PGRESERVE_RACE_DUMP"])
+        out.mkdir(parents=True, exist_ok=True)
+        lo, hi = rec.start - 2.5, rec.end + 0.5
+        w: list[str] = [f"flagged {rec.key} cart {list(rec.cart)} ttl {rec.ttl} raw {rec.raw}",
+                        f"  sent {rec.start:.6f} answered {rec.end:.6f} "
+                        f"({rec.end - rec.start:.4f} s): {rec.answer}"]
+        with psycopg.connect(self.dsn) as conn:
+            row = conn.execute(
+                "SELECT extract(epoch FROM created_at), outcome FROM request_ledger"
+                " WHERE tenant_id = %s AND request_key = %s", (self.tenant, rec.key)).fetchone()
+            w.append(f"  ledger row: created_at (its transaction's now()) {row and row[0]}"
+                     f" outcome {row and row[1]}")
+            for sku, q in rec.cart:
+                bid = self.bucket_ids[sku]
+                t = lines[sku]
+                w.append(f"\n== {sku} (bucket {bid}), requested {q}")
+                w.append("-- checker: admin changes (start end absolute value)")
+                for a in t.admin:
+                    if a.end >= lo - 30 and a.start <= hi:
+                        w.append(f"   {a.start:.6f} {a.end:.6f} {a.absolute} {a.value}")
+                w.append("-- checker: bounds (t, physical lo/hi, held at most/least, lo-held)")
+                for x in t.instants(rec.start, rec.end):
+                    plo, phi = t.physical(x)
+                    w.append(f"   {x:.6f} P[{plo},{phi}] H<={t.held_at_most(x)} "
+                             f"H>={t.held_at_least(x)} avail>={plo - t.held_at_most(x)}")
+                w.append("-- checker: hold spans counting at the request (rid start end "
+                         "sure_until may_until qty)")
+                for h in sorted(t.holds, key=lambda h: h.start):
+                    if h.start <= rec.end and h.may_until >= rec.start:
+                        w.append(f"   {h.rid} {h.start:.6f} {h.end:.6f} {h.sure_until:.6f} "
+                                 f"{h.may_until:.6f} {h.quantity}")
+                w.append("-- db: stock_movement (created_at = its transaction's now())")
+                for m in conn.execute(
+                        "SELECT extract(epoch FROM created_at), movement_id, kind, quantity,"
+                        " reservation_id, line_no, reason, request_key FROM stock_movement"
+                        " WHERE tenant_id = %s AND bucket_id = %s"
+                        "   AND created_at BETWEEN to_timestamp(%s) AND to_timestamp(%s)"
+                        " ORDER BY movement_id", (self.tenant, bid, lo - 30, hi)).fetchall():
+                    w.append("   " + " ".join(str(v) for v in m))
+                w.append("-- db: stock.changed events")
+                for e in conn.execute(
+                        "SELECT extract(epoch FROM created_at), event_id, payload FROM outbox_event"
+                        " WHERE tenant_id = %s AND type = 'stock.changed'"
+                        "   AND payload->>'sku' = %s"
+                        "   AND created_at BETWEEN to_timestamp(%s) AND to_timestamp(%s)"
+                        " ORDER BY event_id", (self.tenant, sku, lo - 30, hi)).fetchall():
+                    w.append("   " + " ".join(str(v) for v in e))
+                w.append("-- db: lines of the bucket overlapping the request (created expires "
+                         "status claimed released expired | restore movements)")
+                for r in conn.execute(
+                        "SELECT r.reservation_id, r.request_key, l.quantity,"
+                        " extract(epoch FROM r.created_at), extract(epoch FROM l.expires_at),"
+                        " r.status, extract(epoch FROM r.claimed_at),"
+                        " extract(epoch FROM r.released_at), extract(epoch FROM r.expired_at),"
+                        " (SELECT array_agg(extract(epoch FROM m.created_at)::text || ':'"
+                        "         || m.reason) FROM stock_movement m"
+                        "   WHERE m.tenant_id = l.tenant_id AND m.reservation_id = l.reservation_id"
+                        "     AND m.line_no = l.line_no AND m.kind = 'restore')"
+                        " FROM reservation_line l"
+                        " JOIN reservation r USING (tenant_id, reservation_id)"
+                        " WHERE l.tenant_id = %s AND l.bucket_id = %s"
+                        "   AND r.created_at <= to_timestamp(%s)"
+                        "   AND coalesce(r.claimed_at, r.released_at, r.expired_at, 'infinity')"
+                        "       >= to_timestamp(%s)"
+                        " ORDER BY r.created_at", (self.tenant, bid, hi, lo)).fetchall():
+                    w.append("   " + " ".join(str(v) for v in r))
+                row = conn.execute(
+                    "SELECT coalesce(sum(l.quantity), 0), count(*) FROM reservation_line l"
+                    " JOIN reservation r USING (tenant_id, reservation_id)"
+                    " WHERE l.tenant_id = %s AND l.bucket_id = %s"
+                    "   AND l.expires_at BETWEEN to_timestamp(%s) AND to_timestamp(%s)"
+                    "   AND r.created_at < to_timestamp(%s)",
+                    (self.tenant, bid, rec.start, rec.end, rec.start)).fetchone()
+                w.append(f"-- lines made before the request that passed expires_at during it: "
+                         f"{row and row[0]} units in {row and row[1]} lines")
+        name = f"{self.strategy}-{self.seed}-{rec.key}.txt"
+        (out / name).write_text("\n".join(w) + "\n")
 
     async def final_audit(self) -> None:
         """The whole history against the database, after the load."""
