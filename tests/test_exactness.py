@@ -426,3 +426,54 @@ async def test_receipts_at_the_on_hand_bound_get_a_typed_error(
                                      headers={"Idempotency-Key": "over"})
     assert 400 <= response.status_code < 500, (response.status_code, response.text)
     assert figures(dsn, tenant.id, "s")["on_hand"] == books["on_hand"]
+
+
+# -- A cart's later line judges expiry by the instant the request started ---------------
+
+async def wait_until_past_expiry(dsn: str, tenant: int, reservation_id: str) -> None:
+    """Wait until the database's clock is past a hold's expires_at (polled, no fixed sleep)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for _ in range(1000):
+            row = conn.execute(
+                "SELECT clock_timestamp() > expires_at FROM reservation"
+                " WHERE tenant_id = %s AND reservation_id = %s",
+                (tenant, reservation_id)).fetchone()
+            if row is not None and row[0]:
+                return
+            await asyncio.sleep(0.01)
+    raise AssertionError("the hold never passed its expiry")
+
+
+async def test_cart_waiting_on_its_first_line_counts_a_hold_that_expired_meanwhile(
+        dsn: str, service: ReservationService, tenant: Tenant, strategy: str) -> None:
+    """A cart that waits on its first bucket while a hold of its second runs out is held, not stored as sold out: at every instant of its request the second bucket could serve it."""
+    await service.set_stock(tenant.id, "A", "w", 10, strategy="row")
+    await service.set_stock(tenant.id, "B", "w", 4, strategy=strategy)
+    first = await service.reserve(tenant.id, "short-lived", [("B", "w", 2)], ttl=1.0)
+    assert first.held and first.reservation is not None
+    with psycopg.connect(dsn, application_name="blocker") as blocker:
+        # hold bucket A so the cart waits on its first line
+        blocker.execute("SELECT 1 FROM stock_bucket WHERE tenant_id = %s AND sku = 'A'"
+                        " FOR NO KEY UPDATE", (tenant.id,))
+        cart = asyncio.create_task(service.reserve(tenant.id, "cart",
+                                                   [("A", "w", 1), ("B", "w", 2)]))
+        await wait_until_blocked(dsn)
+        # the short-lived hold passes its expiry while the cart waits (no
+        # sweeper runs); only then does another buyer, arriving now, take the
+        # 2 units of B that were never held
+        await wait_until_past_expiry(dsn, tenant.id, first.reservation.id)
+        other = await service.reserve(tenant.id, "other", [("B", "w", 2)])
+        assert other.held
+        assert not cart.done()
+        blocker.rollback()
+    out = await cart
+    # B had 2 units for the cart at every instant: 2 never held until the
+    # other buyer took them, and from then on (the hold already past expiry)
+    # the expired hold's 2. The rejection, stored for the cart's key for
+    # good, was true at no instant; a buyer arriving right after is held.
+    fresh = await service.reserve(tenant.id, "fresh", [("B", "w", 2)])
+    assert out.held, (f"cart stored as rejected with {out.short_lines} although B's expired "
+                      f"hold was there to give up (a buyer right after was "
+                      f"{'held' if fresh.held else 'rejected'})")
+    assert not fresh.held
+    assert await service.invariant_violations() == []
