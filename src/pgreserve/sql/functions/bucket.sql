@@ -86,7 +86,8 @@ END $$;
 -- this bucket's units raises 40001 and the request is retried whole.
 -- taken_as: the strategy the units came by; from_free: units taken out of
 -- free (to give back if the cart fails); units: with p_keep, the pool units
--- locked for the caller to delete once the cart is held.
+-- locked for the caller to delete once the cart is held. p_now NULL: expiry is
+-- judged by the database's clock at each deciding statement.
 CREATE OR REPLACE FUNCTION bucket_take_v1(p_tenant bigint, p_bucket bigint, p_qty integer,
                                p_now timestamptz, p_strategy text DEFAULT NULL,
                                p_lo bigint DEFAULT NULL, p_hi bigint DEFAULT NULL,
@@ -108,6 +109,8 @@ DECLARE
     v_direct integer;
     v_held integer;
     v_round integer;
+    -- expiry is judged at each deciding statement (p_now NULL: the database's clock then)
+    v_cut timestamptz;
 BEGIN
     ok := false;
     from_free := 0;
@@ -128,10 +131,11 @@ BEGIN
                 from_free := p_qty;
                 RETURN;
             END IF;
+            v_cut := coalesce(p_now, clock_timestamp());
             SELECT b.strategy, b.pool_lo, b.pool_hi, b.free,
                    EXISTS (SELECT 1 FROM reservation_line l
                            WHERE l.tenant_id = p_tenant AND l.bucket_id = p_bucket
-                             AND l.held AND l.expires_at <= p_now)
+                             AND l.held AND l.expires_at <= v_cut)
             INTO v_strategy, v_lo, v_hi, v_free, v_any_expired
             FROM stock_bucket b WHERE b.tenant_id = p_tenant AND b.bucket_id = p_bucket;
             -- switched to pool, or freed since the update: take again
@@ -144,7 +148,8 @@ BEGIN
             -- Give up the expired holds under the bucket lock, then take.
             PERFORM 1 FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
             FOR NO KEY UPDATE;
-            PERFORM bucket_reclaim_expired_v1(p_tenant, p_bucket, p_now, p_qty);
+            v_cut := coalesce(p_now, clock_timestamp());
+            PERFORM bucket_reclaim_expired_v1(p_tenant, p_bucket, v_cut, p_qty);
             UPDATE stock_bucket SET free = free - p_qty
             WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND strategy = 'row'
               AND free >= p_qty
@@ -159,7 +164,7 @@ BEGIN
             SELECT b.free,
                    EXISTS (SELECT 1 FROM reservation_line l
                            WHERE l.tenant_id = p_tenant AND l.bucket_id = p_bucket
-                             AND l.held AND l.expires_at <= p_now)
+                             AND l.held AND l.expires_at <= v_cut)
             INTO v_free, v_any_expired
             FROM stock_bucket b WHERE b.tenant_id = p_tenant AND b.bucket_id = p_bucket;
             IF v_any_expired THEN
@@ -203,14 +208,17 @@ BEGIN
         END IF;
 
         -- One snapshot decides: the strategy, free, the pool (up to p_qty),
-        -- and expired holds (less what is owed to the shortfall).
+        -- and expired holds (less what is owed to the shortfall), expiry
+        -- judged at this instant, not when the request started (it may have
+        -- waited).
+        v_cut := coalesce(p_now, clock_timestamp());
         SELECT b.strategy, b.pool_lo, b.pool_hi, b.free, b.shortfall,
                (SELECT count(*) FROM (SELECT 1 FROM stock_unit u
                                       WHERE u.tenant_id = p_tenant AND u.bucket_id = p_bucket
                                       LIMIT p_qty) s),
                (SELECT coalesce(sum(l.quantity), 0) FROM reservation_line l
                 WHERE l.tenant_id = p_tenant AND l.bucket_id = p_bucket
-                  AND l.held AND l.expires_at <= p_now)
+                  AND l.held AND l.expires_at <= v_cut)
         INTO v_strategy, v_lo, v_hi, v_free, v_shortfall, v_pool, v_expired
         FROM stock_bucket b WHERE b.tenant_id = p_tenant AND b.bucket_id = p_bucket;
         CONTINUE WHEN v_strategy <> 'pool';
@@ -250,7 +258,8 @@ BEGIN
         CONTINUE WHEN v_strategy <> 'pool';
         -- the units this transaction has locked count; the rest come
         -- straight out of free (direct), then the pool is topped up
-        v_direct := (pool_replenish_v1(p_tenant, p_bucket, p_qty - v_held, p_now)).direct;
+        v_cut := coalesce(p_now, clock_timestamp());
+        v_direct := (pool_replenish_v1(p_tenant, p_bucket, p_qty - v_held, v_cut)).direct;
         v_take := pool_take_units_v1(p_tenant, p_bucket, p_qty - v_direct, 0, p_keep);
         IF v_take.locked = p_qty - v_direct THEN
             ok := true;
@@ -270,7 +279,7 @@ BEGIN
         FROM stock_bucket b,
         LATERAL (SELECT coalesce(sum(l.quantity), 0) AS expired FROM reservation_line l
                  WHERE l.tenant_id = p_tenant AND l.bucket_id = p_bucket
-                   AND l.held AND l.expires_at <= p_now) e
+                   AND l.held AND l.expires_at <= v_cut) e
         WHERE b.tenant_id = p_tenant AND b.bucket_id = p_bucket;
         IF v_usable < p_qty THEN
             seen_available := v_usable;

@@ -62,6 +62,7 @@ SET enable_seqscan = off
 AS $$
 DECLARE
     v_now timestamptz := coalesce(p_now, clock_timestamp());
+    v_cut timestamptz;
     v_void text;
     v_prior request_ledger;
     v_buckets bigint[];
@@ -121,12 +122,13 @@ BEGIN
         WHERE b.tenant_id = p_tenant AND b.sku = p_skus[1] AND b.location = p_locations[1];
         IF FOUND THEN
             IF v_free < p_quantities[1] THEN
+                v_cut := coalesce(p_now, clock_timestamp());  -- after the key's lock wait
                 SELECT b.free, b.free < p_quantities[1]
                        AND NOT EXISTS (SELECT 1 FROM stock_unit u
                                        WHERE u.tenant_id = p_tenant AND u.bucket_id = v_bucket)
                        AND NOT EXISTS (SELECT 1 FROM reservation_line l
                                        WHERE l.tenant_id = p_tenant AND l.bucket_id = v_bucket
-                                         AND l.held AND l.expires_at <= v_now)
+                                         AND l.held AND l.expires_at <= v_cut)
                 INTO v_free, v_sold_out
                 FROM stock_bucket b WHERE b.tenant_id = p_tenant AND b.bucket_id = v_bucket;
             END IF;
@@ -162,7 +164,8 @@ BEGIN
         -- pool as it was, instead of putting units back as new rows that a
         -- waiting buyer cannot see.
         FOR i IN 1 .. cardinality(v_buckets) LOOP
-            v_take := bucket_take_v1(p_tenant, v_buckets[i], p_quantities[i], v_now,
+            -- p_now, not v_now: a take that waited judges expiry when it decides
+            v_take := bucket_take_v1(p_tenant, v_buckets[i], p_quantities[i], p_now,
                                      v_strategies[i], v_los[i], v_his[i],
                                      cardinality(v_buckets) > 1);
             IF v_take.ok THEN
@@ -315,7 +318,7 @@ BEGIN
             WHERE tenant_id = p_tenant AND reservation_id = p_id AND line_no = v_line.line_no;
         ELSE
             -- Given up at expiry: take the units again, or fail the claim.
-            IF NOT (bucket_take_v1(p_tenant, v_line.bucket_id, v_line.quantity, v_now)).ok THEN
+            IF NOT (bucket_take_v1(p_tenant, v_line.bucket_id, v_line.quantity, p_now)).ok THEN
                 RAISE EXCEPTION 'reservation % expired and its stock is gone', p_id
                     USING ERRCODE = 'PR425';
             END IF;
