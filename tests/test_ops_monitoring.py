@@ -33,14 +33,15 @@ async def eventually(probe: Callable[[], Awaitable[T | None]], what: str,
 
 async def test_statements_carry_their_tag_into_pg_stat_statements(dsn: str) -> None:
     """A reserve runs on a pgreserve:reserve connection and its statement text in
-    pg_stat_statements ends with the static sqlcommenter tag."""
+    pg_stat_statements ends with the static sqlcommenter tag, unbatched and batched."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
     async with Database(dsn, role_pools=True, application_name="pgreserve:test") as db:
-        svc = ReservationService(db)
+        svc = ReservationService(db, batching=False)
         tenant = await svc.create_tenant("acme")
         await svc.set_stock(tenant.id, "s", "wh", 5)
         await svc.reserve(tenant.id, "k1", [("s", "wh", 1)])
+        await ReservationService(db).reserve(tenant.id, "k2", [("s", "wh", 1)])
         assert "pgreserve:reserve" in db.pools
         with psycopg.connect(dsn, autocommit=True) as conn:
             apps = {r[0] for r in conn.execute(
@@ -51,9 +52,15 @@ async def test_statements_carry_their_tag_into_pg_stat_statements(dsn: str) -> N
                 "SELECT query FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database"
                 " WHERE datname = current_database()) AND query LIKE 'SELECT reserve_v1(%'"
             ).fetchall()
+            batched = conn.execute(
+                "SELECT query FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database"
+                " WHERE datname = current_database()) AND query LIKE 'SELECT bucket_batch_v1(%'"
+            ).fetchall()
     assert rows, "reserve_v1 is in pg_stat_statements"
     assert rows[0][0].endswith(
         "/* app=pgreserve,route=POST /v1/reservations,action=reserve */")
+    assert batched, "bucket_batch_v1 is in pg_stat_statements"
+    assert batched[0][0].endswith("/* app=pgreserve,route=batch/bucket,action=bucket_batch */")
 
 
 async def test_sampler_attributes_idle_in_transaction_to_its_caller(dsn: str) -> None:
@@ -197,16 +204,18 @@ async def test_each_metric_moves_with_its_event(db: Database, tenant: Tenant) ->
     assert sample(m, "pgreserve_client_pool", pool="pgreserve:core", stat="requests_num") > 0
 
 
-async def test_busy_reserve_is_counted(dsn: str) -> None:
+@pytest.mark.parametrize("batching", [False, True], ids=["unbatched", "batched"])
+async def test_busy_reserve_is_counted(dsn: str, batching: bool) -> None:
     """A reserve that hits lock_timeout (a bucket row locked elsewhere) counts as a
-    `busy` reserve outcome and as a busy database event of action reserve."""
+    `busy` reserve outcome and as a busy database event of its call: action reserve, or
+    bucket_batch for a batched one."""
     from pgreserve import TxSettings
     from pgreserve.errors import Busy
 
     m = OpsMetrics()
     async with Database(dsn, observer=m.db_event,
                         settings=TxSettings(lock_timeout_ms=100)) as db:
-        svc = ReservationService(db, observer=m)
+        svc = ReservationService(db, observer=m, batching=batching)
         t = (await svc.create_tenant("acme")).id
         await svc.set_stock(t, "s", "wh", 5)
         with psycopg.connect(dsn) as blocker:
@@ -214,7 +223,8 @@ async def test_busy_reserve_is_counted(dsn: str) -> None:
             with pytest.raises(Busy):
                 await svc.reserve(t, "k", [("s", "wh", 1)])
     assert sample(m, "pgreserve_reservations_total", outcome="busy") == 1
-    assert sample(m, "pgreserve_db_events_total", action="reserve", event="busy") == 1
+    action = "bucket_batch" if batching else "reserve"
+    assert sample(m, "pgreserve_db_events_total", action=action, event="busy") == 1
     assert m.recent_errors and "busy" in m.recent_errors[0]["error"]
 
 

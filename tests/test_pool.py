@@ -155,9 +155,10 @@ async def test_release_and_expiry_return_units_to_the_pool(dsn: str) -> None:
 async def test_buyers_waiting_for_a_refill_are_let_through_together(dsn: str) -> None:
     """While one transaction holds a dry pool bucket (refilling it), short buyers wait for
     that transaction itself, all of them, not in a queue for the bucket lock that would let
-    them through one commit at a time; when it commits with new units, every one holds."""
+    them through one commit at a time; when it commits with new units, every one holds.
+    (Unbatched buyers, one transaction each: batched ones share one transaction.)"""
     async with Database(dsn, min_size=8, max_size=8) as db:
-        service = ReservationService(db)
+        service = ReservationService(db, batching=False)
         tenant = await service.create_tenant("together")
         await service.set_stock(tenant.id, "s", "w", 30, strategy="pool", pool_cap=10)
         assert (await service.reserve(tenant.id, "first", [("s", "w", 10)])).held

@@ -50,13 +50,15 @@ async def counts(dsn: str) -> tuple[int, int, int]:
     return int(row[0]), int(row[1]), int(row[2])
 
 
+@pytest.mark.parametrize("batching", [True, False], ids=["batched", "unbatched"])
 @pytest.mark.parametrize("stage,ends", [("before_insert", "commit"),
                                         ("before_commit", "commit"),
                                         ("before_commit", "rollback")])
 async def test_same_key_collision_at_each_stage(
-        dsn: str, service: ReservationService, tenant: Tenant, strategy: str,
-        stage: str, ends: str) -> None:
-    """Two same-key requests arriving while the first transaction is before its insert, or after its update and before commit: one reservation, one decrement, one id."""
+        dsn: str, db: Database, tenant: Tenant, strategy: str,
+        stage: str, ends: str, batching: bool) -> None:
+    """Two same-key requests arriving while the first transaction is before its insert, or after its update and before commit: one reservation, one decrement, one id (batched, both wait in one batch's transaction)."""
+    service = ReservationService(db, batching=batching)
     await service.set_stock(tenant.id, "s", "w", 10, strategy=strategy)
     with psycopg.connect(dsn) as first:
         if stage == "before_insert":
@@ -67,7 +69,7 @@ async def test_same_key_collision_at_each_stage(
         racers = [asyncio.create_task(service.reserve(
             tenant.id, "order-A-reserve-1", [("s", "w", 7)], ttl=timedelta(minutes=15)))
             for _ in range(2)]
-        await wait_until_blocked(dsn, 2)
+        await wait_until_blocked(dsn, 1 if batching else 2)
         assert not any(t.done() for t in racers)
         first.commit() if ends == "commit" else first.rollback()
     outs = await asyncio.gather(*racers)

@@ -12,14 +12,17 @@ import hashlib
 import json
 import secrets
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
-from typing import Any, LiteralString, Protocol
+from typing import Any, LiteralString, Protocol, cast
 from time import perf_counter
+
+import psycopg
 
 from .. import validation as check
 from ..db import literals as lit
-from ..db.database import Database, Op
+from ..db.database import Database, Op, typed_error
 from ..db.queries import queries
 from ..domain import (
     DEFAULT_TTL,
@@ -37,6 +40,7 @@ from ..domain import (
 )
 from ..errors import InvalidRequest, ReservationNotFound, UnknownStock, WebhookNotFound
 from .. import apikeys
+from .batching import BatchConfig, BatchRequest, Combiner
 
 Clock = Callable[[], datetime | None]
 
@@ -103,10 +107,19 @@ class ReservationService:
     """Stock, holds and their lifecycle for every tenant of one database."""
 
     def __init__(self, db: Database, *, clock: Clock = _db_clock,
-                 observer: ServiceObserver | None = None) -> None:
+                 observer: ServiceObserver | None = None, batching: bool = True,
+                 batch_config: BatchConfig | None = None) -> None:
+        """`batching`: one-line reserves, and claims and releases of one-line
+        reservations, go through a per-bucket combiner (group commit, see
+        core/batching.py); off, every request is its own transaction."""
         self.db = db
         self.clock = clock
         self.observer = observer
+        self.combiner = Combiner(db, batch_config, clock=clock) if batching else None
+        # Buckets are never deleted and their ids never change: cache the lookups.
+        self._bucket_ids: dict[tuple[int, str, str], int] = {}
+        # The bucket of the one-line reservations this process created (most recent).
+        self._reservation_buckets: OrderedDict[tuple[int, uuid.UUID], int] = OrderedDict()
 
     def _observe(self, action: str, outcome: str, started: float) -> None:
         if self.observer is not None:
@@ -221,6 +234,11 @@ class ReservationService:
             "ttl_ms": int(life.total_seconds() * 1000),
         })
         started = perf_counter()
+        if self.combiner is not None and len(cart) == 1:
+            outcome = await self._reserve_batched(tenant, key, fingerprint, cart[0], life,
+                                                  started)
+            if outcome is not None:
+                return outcome
         try:
             doc = await self.db.call(
                 queries["reservation_reserve"],
@@ -240,6 +258,10 @@ class ReservationService:
     async def claim(self, tenant: int, reservation_id: str | uuid.UUID, *,
                     request_key: str | None = None) -> Reservation:
         """Payment succeeded: deduct the held units for good. Repeating it changes nothing."""
+        if self.combiner is not None:
+            done = await self._transition_batched("claim", tenant, reservation_id, request_key)
+            if done is not None:
+                return done
         if request_key is not None:
             return await self._keyed(tenant, request_key, "claim", reservation_id, None)
         return await self._transition(queries["reservation_claim"], "claim", tenant,
@@ -248,6 +270,11 @@ class ReservationService:
     async def release(self, tenant: int, reservation_id: str | uuid.UUID, *,
                       request_key: str | None = None) -> Reservation:
         """Payment failed: give the units back, once. Repeating it changes nothing."""
+        if self.combiner is not None:
+            done = await self._transition_batched("release", tenant, reservation_id,
+                                                  request_key)
+            if done is not None:
+                return done
         if request_key is not None:
             return await self._keyed(tenant, request_key, "release", reservation_id, None)
         return await self._transition(queries["reservation_release"], "release", tenant,
@@ -429,6 +456,96 @@ class ReservationService:
         self._observe(action, "ok", started)
         return Reservation.from_json(doc)
 
+    # -- group commit (core/batching.py) ---------------------------------------
+
+    async def _reserve_batched(self, tenant: int, key: str, fingerprint: str, line: Line,
+                               life: timedelta, started: float) -> ReserveOutcome | None:
+        """A one-line reserve through its bucket's combiner; None: send it unbatched."""
+        assert self.combiner is not None
+        bucket = await self._bucket_id(tenant, line.sku, line.location)
+        if bucket is None:
+            return None  # the unbatched call says what is unknown
+        try:
+            doc = _batch_answer(await self.combiner.submit(tenant, bucket, BatchRequest(
+                "reserve", key=key, digest=fingerprint, quantity=line.quantity, ttl=life)))
+        except Exception as exc:
+            self._observe("reserve", _failure(exc), started)
+            raise
+        if doc is None:
+            return None
+        outcome = ReserveOutcome.from_json(doc)
+        if outcome.reservation is not None:
+            self._remember_bucket(tenant, uuid.UUID(outcome.reservation.id), bucket)
+        self._observe("reserve", "idempotent_replay" if outcome.replayed
+                      else "held" if outcome.held else "sold_out", started)
+        return outcome
+
+    async def _transition_batched(self, action: str, tenant: int,
+                                  reservation_id: str | uuid.UUID,
+                                  request_key: str | None) -> Reservation | None:
+        """A claim or release of a one-line reservation through its bucket's combiner;
+        None: send it unbatched."""
+        assert self.combiner is not None
+        tenant = check.tenant_id(tenant)
+        rid = _reservation_id(reservation_id)
+        key = check.request_key(request_key) if request_key is not None else None
+        bucket = await self._reservation_bucket(tenant, rid)
+        if bucket is None:
+            return None
+        started = perf_counter()
+        try:
+            doc = _batch_answer(await self.combiner.submit(tenant, bucket, BatchRequest(
+                action, key=key,
+                digest=digest(action, {"id": str(rid)}) if key is not None else None,
+                reservation_id=rid)))
+        except Exception as exc:
+            self._observe(action, _failure(exc), started)
+            raise
+        if doc is None:
+            return None
+        if key is None:
+            self._observe(action, "ok", started)
+            return Reservation.from_json(doc)
+        replayed = bool(doc.get("replayed"))
+        self._observe(action, "idempotent_replay" if replayed else "ok", started)
+        return Reservation.from_json(doc["reservation"], replayed=replayed)
+
+    async def _bucket_id(self, tenant: int, sku: str, location: str) -> int | None:
+        found = self._bucket_ids.get((tenant, sku, location))
+        if found is None:
+            rows = await self._lookup(queries["bucket_id_find"], (tenant, sku, location),
+                                      "reserve")
+            if not rows:
+                return None
+            found = self._bucket_ids[(tenant, sku, location)] = int(rows[0][0])
+        return found
+
+    async def _reservation_bucket(self, tenant: int, rid: uuid.UUID) -> int | None:
+        """The bucket of a reservation's only line; None for several lines or none."""
+        found = self._reservation_buckets.get((tenant, rid))
+        if found is not None:
+            return found
+        rows = await self._lookup(queries["reservation_line_buckets"], (tenant, rid),
+                                  "reservation_get")
+        if rows is None or len(rows) != 1:
+            return None
+        return int(rows[0][0])
+
+    async def _lookup(self, sql: LiteralString, params: tuple[Any, ...],
+                      action: str) -> list[tuple[Any, ...]] | None:
+        """A read that only routes a request to its batch: when it fails (a lost
+        connection, an exhausted pool), the request goes unbatched, whose call
+        retries and reports the failure as it always has."""
+        try:
+            return await self.db.fetch(sql, params, op=OPS[action])
+        except psycopg.Error:
+            return None
+
+    def _remember_bucket(self, tenant: int, rid: uuid.UUID, bucket: int) -> None:
+        self._reservation_buckets[(tenant, rid)] = bucket
+        if len(self._reservation_buckets) > _REMEMBERED_RESERVATIONS:
+            self._reservation_buckets.popitem(last=False)
+
     async def _require_tenant(self, tenant: int) -> None:
         from ..errors import UnknownTenant
 
@@ -436,6 +553,19 @@ class ReservationService:
                                    op=OPS["tenant_lookup"])
         if not rows:
             raise UnknownTenant(f"unknown tenant {tenant}")
+
+
+_REMEMBERED_RESERVATIONS = 100_000
+
+
+def _batch_answer(answer: dict[str, Any]) -> dict[str, Any] | None:
+    """A request's answer from its batch: its document, or None to send it unbatched;
+    a typed failure is raised."""
+    if "ok" in answer:
+        return cast(dict[str, Any], answer["ok"])
+    if "error" in answer:
+        raise typed_error(str(answer["error"]), answer.get("message"), answer.get("detail"))
+    return None
 
 
 def _failure(exc: BaseException) -> str:

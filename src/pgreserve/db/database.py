@@ -342,8 +342,13 @@ def _connection_lost(exc: psycopg.errors.Error, state: str) -> bool:
 
 
 def _typed(exc: psycopg.errors.Error, state: str) -> errors.PgReserveError:
-    cls = _SQLSTATE_ERRORS[state]
     detail: Any = exc.diag.message_detail
     if detail is not None and detail[:1] in "[{":
         detail = json.loads(detail)
-    return cls(exc.diag.message_primary or cls.__name__, detail=detail)
+    return typed_error(state, exc.diag.message_primary, detail)
+
+
+def typed_error(state: str, message: str | None, detail: Any = None) -> errors.PgReserveError:
+    """The PgReserveError of a typed SQLSTATE (PR4xx) raised, or reported, by a function."""
+    cls = _SQLSTATE_ERRORS[state]
+    return cls(message or cls.__name__, detail=detail)

@@ -31,3 +31,15 @@ def int_array(values: Iterable[int]) -> str:
 def interval(value: timedelta) -> str:
     """An exact interval literal: whole microseconds."""
     return f"{value // timedelta(microseconds=1)} microseconds"
+
+
+def nullable_text_array(values: Iterable[str | None]) -> str:
+    """`{"a",NULL}`: like text_array, with None as an SQL NULL element."""
+    return "{" + ",".join(
+        "NULL" if v is None else '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        for v in values) + "}"
+
+
+def nullable_int_array(values: Iterable[int | None]) -> str:
+    """`{1,NULL}` from Python ints and None."""
+    return "{" + ",".join("NULL" if v is None else str(int(v)) for v in values) + "}"

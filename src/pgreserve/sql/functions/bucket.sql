@@ -24,9 +24,11 @@ $$;
 -- batches of 500 lines, until p_enough units are usable or none is left
 -- (lines another transaction holds are skipped). Their units pay back the
 -- bucket's shortfall first (written off with it), the rest become free.
--- Returns the units made free.
+-- Reservations in p_skip are left alone (a batch that is claiming or
+-- releasing them, see batch.sql). Returns the units made free.
 CREATE OR REPLACE FUNCTION bucket_reclaim_expired_v1(p_tenant bigint, p_bucket bigint,
-                                                     p_now timestamptz, p_enough bigint)
+                                                     p_now timestamptz, p_enough bigint,
+                                                     p_skip uuid[] DEFAULT NULL)
 RETURNS bigint LANGUAGE plpgsql AS $$
 DECLARE
     v_shortfall bigint;
@@ -43,6 +45,7 @@ BEGIN
             FROM reservation_line l
             WHERE l.tenant_id = p_tenant AND l.bucket_id = p_bucket
               AND l.held AND l.expires_at <= p_now
+              AND (p_skip IS NULL OR l.reservation_id <> ALL (p_skip))
             LIMIT 500
             FOR UPDATE SKIP LOCKED
         ), given_up AS (

@@ -1,0 +1,433 @@
+-- Group commit for one bucket: many requests, one transaction, one write of
+-- the bucket row. The service's combiner (core/batching.py) sends the
+-- requests of one bucket that queued while its previous batch was in flight.
+--
+-- Requests are one-line reserves of this bucket, and claims and releases of
+-- reservations whose only line is on it (p_kinds 'reserve' | 'claim' |
+-- 'release'), decided one by one in arrival order, in memory, with no
+-- exception per request (a PL/pgSQL EXCEPTION block is a subtransaction).
+-- Element i of the result is request i's own answer:
+--   {"ok": doc}        the document reserve_v1 / claim_v1 / release_v1 (or,
+--                      under a request key, transition_keyed_v1) returns
+--   {"error": code, "message": text, "detail": ...}   a typed failure (PR4xx),
+--                      nothing written for that request
+--   {"retry": true}    not decidable here (a reservation of several lines, a
+--                      shortage that units other transactions hold might
+--                      cover): the caller sends it alone, unbatched
+--
+-- Lock order, as everywhere: request keys (advisory, in hash order), the
+-- reservations to claim or release (by id), their lines, the bucket row, then
+-- units and the insert-only tables.
+CREATE OR REPLACE FUNCTION bucket_batch_v1(p_tenant bigint, p_bucket bigint, p_kinds text[],
+                                           p_keys text[], p_digests text[],
+                                           p_quantities integer[], p_ttls interval[],
+                                           p_ids uuid[], p_now timestamptz DEFAULT NULL)
+RETURNS jsonb LANGUAGE plpgsql
+SET plan_cache_mode = force_generic_plan
+SET enable_seqscan = off
+AS $$
+DECLARE
+    v_now timestamptz;
+    v_n integer := cardinality(p_kinds);
+    v_out jsonb[] := array_fill(NULL::jsonb, ARRAY[cardinality(p_kinds)]);
+    v_void text;
+    b stock_bucket;
+    -- the reservations to claim or release, locked, in id order
+    r_ids uuid[];
+    r_status text[];
+    r_created timestamptz[];
+    r_expires timestamptz[];
+    r_claimed timestamptz[];
+    r_released timestamptz[];
+    r_expired timestamptz[];
+    r_lines integer[];
+    r_bucket bigint[];
+    r_qty integer[];
+    r_held boolean[];
+    -- stored outcomes by key (grows as the batch decides: a repeat replays)
+    k_keys text[];
+    k_ops text[];
+    k_digests text[];
+    k_outcomes jsonb[];
+    -- the bucket as the batch changes it
+    v_free bigint;
+    v_units bigint := 0;      -- pool units this batch deleted and has not used yet
+    v_pool_back bigint := 0;  -- released units that go back into the pool
+    v_dry boolean := false;   -- a pool bucket's holds needed units out of free
+    v_shortfall bigint;
+    v_dfree bigint := 0;
+    v_don_hand bigint := 0;
+    v_dshortfall bigint := 0;
+    v_looked boolean := false;
+    v_others boolean := false;
+    -- what the batch writes, set-based at the end
+    h_ids uuid[] := '{}';
+    h_keys text[] := '{}';
+    h_qty integer[] := '{}';
+    h_expires timestamptz[] := '{}';
+    h_views jsonb[] := '{}';
+    l_keys text[] := '{}';
+    l_ops text[] := '{}';
+    l_digests text[] := '{}';
+    l_status text[] := '{}';
+    l_outcomes jsonb[] := '{}';
+    t_ids uuid[] := '{}';
+    t_kinds text[] := '{}';
+    t_qty integer[] := '{}';
+    t_views jsonb[] := '{}';
+    t_given_up boolean[] := '{}';
+    v_lines jsonb;
+    v_view jsonb;
+    v_doc jsonb;
+    v_id uuid;
+    v_q integer;
+    v_w bigint;
+    i integer;
+    j integer;
+BEGIN
+    PERFORM pg_advisory_xact_lock(h)
+    FROM (SELECT DISTINCT hashtextextended(k, p_tenant) AS h
+          FROM unnest(p_keys) AS k WHERE k IS NOT NULL ORDER BY 1) s;
+
+    SELECT array_agg(reservation_id), array_agg(status), array_agg(created_at),
+           array_agg(expires_at), array_agg(claimed_at), array_agg(released_at),
+           array_agg(expired_at)
+    INTO r_ids, r_status, r_created, r_expires, r_claimed, r_released, r_expired
+    FROM (SELECT * FROM reservation
+          WHERE tenant_id = p_tenant
+            AND reservation_id = ANY (SELECT x FROM unnest(p_ids) AS x WHERE x IS NOT NULL)
+          ORDER BY reservation_id
+          FOR UPDATE) r;
+    IF r_ids IS NOT NULL THEN
+        PERFORM 1 FROM reservation_line
+        WHERE tenant_id = p_tenant AND reservation_id = ANY (r_ids)
+        ORDER BY reservation_id, line_no
+        FOR UPDATE;
+        SELECT array_agg(coalesce(l.lines, 0) ORDER BY u.n), array_agg(l.bucket ORDER BY u.n),
+               array_agg(l.qty ORDER BY u.n), array_agg(l.held ORDER BY u.n)
+        INTO r_lines, r_bucket, r_qty, r_held
+        FROM unnest(r_ids) WITH ORDINALITY AS u(id, n)
+        LEFT JOIN LATERAL (
+            SELECT count(*)::integer AS lines, min(bucket_id) AS bucket,
+                   min(quantity) AS qty, bool_or(held) AS held
+            FROM reservation_line
+            WHERE tenant_id = p_tenant AND reservation_id = u.id) l ON true;
+    END IF;
+
+    SELECT * INTO b FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+    FOR NO KEY UPDATE;
+    IF NOT FOUND THEN
+        RETURN to_jsonb(array_fill('{"retry": true}'::jsonb, ARRAY[v_n]));
+    END IF;
+    -- the batch's instant: after its lock waits, so expiry is judged now
+    v_now := coalesce(p_now, clock_timestamp());
+    v_free := b.free;
+    v_shortfall := b.shortfall;
+
+    SELECT array_agg(request_key), array_agg(operation), array_agg(digest), array_agg(outcome)
+    INTO k_keys, k_ops, k_digests, k_outcomes
+    FROM request_ledger
+    WHERE tenant_id = p_tenant
+      AND request_key = ANY (SELECT k FROM unnest(p_keys) AS k WHERE k IS NOT NULL);
+    k_keys := coalesce(k_keys, '{}');
+
+    FOR i IN 1 .. v_n LOOP
+        IF p_keys[i] IS NOT NULL THEN
+            j := array_position(k_keys, p_keys[i]);
+            IF j IS NOT NULL THEN
+                IF k_ops[j] <> p_kinds[i] OR k_digests[j] <> p_digests[i] THEN
+                    v_out[i] := jsonb_build_object(
+                        'error', 'PR422', 'detail', k_ops[j], 'message',
+                        format('request key %s was already used with different parameters',
+                               p_keys[i]));
+                ELSE
+                    v_out[i] := jsonb_build_object(
+                        'ok', k_outcomes[j] || '{"replayed": true}'::jsonb);
+                END IF;
+                CONTINUE;
+            END IF;
+        END IF;
+
+        IF p_kinds[i] = 'reserve' THEN
+            v_q := p_quantities[i];
+            -- a pool bucket's holds come out of its pool, as unbatched ones do
+            IF (v_units + v_free < v_q OR (b.strategy = 'pool' AND v_units < v_q))
+               AND NOT v_looked THEN
+                v_looked := true;
+                SELECT * INTO v_units, v_free, v_others
+                FROM bucket_batch_look_v1(p_tenant, p_bucket, b.strategy, v_now, i,
+                                          p_kinds, p_quantities, v_units, v_free, r_ids);
+                SELECT shortfall INTO v_shortfall FROM stock_bucket
+                WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+            END IF;
+            IF v_units + v_free >= v_q THEN
+                -- pool units first, then free (a refill's direct units)
+                v_w := least(v_units, v_q);
+                v_units := v_units - v_w;
+                v_free := v_free - (v_q - v_w);
+                v_dfree := v_dfree - (v_q - v_w);
+                v_dry := v_dry OR v_w < v_q;
+                v_id := gen_random_uuid();
+                v_view := jsonb_build_object(
+                    'id', v_id, 'status', 'active', 'created_at', v_now,
+                    'expires_at', v_now + p_ttls[i], 'claimed_at', NULL, 'released_at', NULL,
+                    'expired_at', NULL,
+                    'lines', jsonb_build_array(jsonb_build_object(
+                        'sku', b.sku, 'location', b.location, 'quantity', v_q)));
+                v_doc := jsonb_build_object('status', 'held', 'reservation', v_view);
+                h_ids := h_ids || v_id;
+                h_keys := h_keys || p_keys[i];
+                h_qty := h_qty || v_q;
+                h_expires := h_expires || (v_now + p_ttls[i]);
+                h_views := h_views || v_view;
+                l_status := l_status || 'succeeded'::text;
+            ELSIF v_others THEN
+                -- units another transaction holds may cover it: not for here
+                v_out[i] := '{"retry": true}';
+                CONTINUE;
+            ELSE
+                -- under the bucket lock: free is exact, the pool is empty and
+                -- no expired hold is left, so this is what the bucket can serve
+                v_doc := jsonb_build_object(
+                    'status', 'rejected', 'reason', 'insufficient_stock',
+                    'short_lines', jsonb_build_array(jsonb_build_object(
+                        'sku', b.sku, 'location', b.location, 'requested', v_q,
+                        'available', v_units + v_free)));
+                l_status := l_status || 'rejected'::text;
+            END IF;
+            l_keys := l_keys || p_keys[i];
+            l_ops := l_ops || 'reserve'::text;
+            l_digests := l_digests || p_digests[i];
+            l_outcomes := l_outcomes || v_doc;
+            k_keys := k_keys || p_keys[i];
+            k_ops := k_ops || 'reserve'::text;
+            k_digests := k_digests || p_digests[i];
+            k_outcomes := k_outcomes || v_doc;
+            v_out[i] := jsonb_build_object('ok', v_doc);
+            CONTINUE;
+        END IF;
+
+        -- claim or release
+        j := array_position(r_ids, p_ids[i]);
+        IF j IS NULL THEN
+            v_out[i] := jsonb_build_object(
+                'error', 'PR410', 'message', format('unknown reservation %s', p_ids[i]));
+            CONTINUE;
+        END IF;
+        IF r_lines[j] <> 1 OR r_bucket[j] <> p_bucket THEN
+            v_out[i] := '{"retry": true}';
+            CONTINUE;
+        END IF;
+        v_q := r_qty[j];
+        IF p_kinds[i] = 'claim' THEN
+            IF r_status[j] = 'released' THEN
+                v_out[i] := jsonb_build_object(
+                    'error', 'PR423', 'message', format('reservation %s was released', p_ids[i]));
+                CONTINUE;
+            ELSIF r_status[j] <> 'claimed' THEN
+                IF NOT r_held[j] THEN
+                    -- given up at expiry: take the units again, or fail the claim
+                    IF v_units + v_free < v_q AND NOT v_looked THEN
+                        v_looked := true;
+                        SELECT * INTO v_units, v_free, v_others
+                        FROM bucket_batch_look_v1(p_tenant, p_bucket, b.strategy, v_now, i,
+                                                  p_kinds, p_quantities, v_units, v_free, r_ids);
+                        SELECT shortfall INTO v_shortfall FROM stock_bucket
+                        WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+                    END IF;
+                    IF v_units + v_free < v_q THEN
+                        IF v_others THEN
+                            v_out[i] := '{"retry": true}';
+                        ELSE
+                            v_out[i] := jsonb_build_object(
+                                'error', 'PR425', 'message',
+                                format('reservation %s expired and its stock is gone', p_ids[i]));
+                        END IF;
+                        CONTINUE;
+                    END IF;
+                    v_w := least(v_units, v_q);
+                    v_units := v_units - v_w;
+                    v_free := v_free - (v_q - v_w);
+                    v_dfree := v_dfree - (v_q - v_w);
+                END IF;
+                v_don_hand := v_don_hand - v_q;
+                t_given_up := t_given_up || NOT r_held[j];
+                r_held[j] := false;
+                r_status[j] := 'claimed';
+                r_claimed[j] := v_now;
+                t_ids := t_ids || p_ids[i];
+                t_kinds := t_kinds || 'claim'::text;
+                t_qty := t_qty || v_q;
+            END IF;
+        ELSE
+            IF r_status[j] = 'claimed' THEN
+                v_out[i] := jsonb_build_object(
+                    'error', 'PR424', 'message', format('reservation %s was claimed', p_ids[i]));
+                CONTINUE;
+            ELSIF r_status[j] = 'active' THEN
+                IF NOT r_held[j] THEN
+                    NULL;  -- given up at expiry already: its units are back
+                ELSIF b.strategy = 'pool' AND v_shortfall = 0 THEN
+                    v_pool_back := v_pool_back + v_q;  -- back into the pool, as unbatched
+                ELSE
+                    -- units a forced correction found missing are written off
+                    v_w := least(v_shortfall, v_q);
+                    v_shortfall := v_shortfall - v_w;
+                    v_dshortfall := v_dshortfall - v_w;
+                    v_don_hand := v_don_hand - v_w;
+                    v_free := v_free + v_q - v_w;
+                    v_dfree := v_dfree + v_q - v_w;
+                END IF;
+                r_held[j] := false;
+                r_status[j] := 'released';
+                r_released[j] := v_now;
+                t_ids := t_ids || p_ids[i];
+                t_kinds := t_kinds || 'release'::text;
+                t_qty := t_qty || v_q;
+                t_given_up := t_given_up || NOT r_held[j];
+            END IF;
+        END IF;
+        v_view := jsonb_build_object(
+            'id', r_ids[j],
+            'status', CASE WHEN r_status[j] = 'active' AND r_expires[j] <= v_now
+                           THEN 'expired' ELSE r_status[j] END,
+            'created_at', r_created[j], 'expires_at', r_expires[j],
+            'claimed_at', r_claimed[j], 'released_at', r_released[j],
+            'expired_at', coalesce(r_expired[j],
+                                   CASE WHEN r_status[j] = 'active' AND r_expires[j] <= v_now
+                                        THEN r_expires[j] END),
+            'lines', jsonb_build_array(jsonb_build_object(
+                'sku', b.sku, 'location', b.location, 'quantity', v_q)));
+        IF t_ids <> '{}' AND t_ids[cardinality(t_ids)] = p_ids[i]
+           AND cardinality(t_views) < cardinality(t_ids) THEN
+            t_views := t_views || v_view;
+        END IF;
+        IF p_keys[i] IS NULL THEN
+            v_out[i] := jsonb_build_object('ok', v_view);
+        ELSE
+            v_doc := jsonb_build_object('status', 'applied', 'reservation', v_view);
+            l_keys := l_keys || p_keys[i];
+            l_ops := l_ops || p_kinds[i];
+            l_digests := l_digests || p_digests[i];
+            l_status := l_status || 'succeeded'::text;
+            l_outcomes := l_outcomes || v_doc;
+            k_keys := k_keys || p_keys[i];
+            k_ops := k_ops || p_kinds[i];
+            k_digests := k_digests || p_digests[i];
+            k_outcomes := k_outcomes || v_doc;
+            v_out[i] := jsonb_build_object('ok', v_doc);
+        END IF;
+    END LOOP;
+
+    IF h_ids <> '{}' THEN
+        WITH held AS (
+            INSERT INTO reservation (tenant_id, reservation_id, request_key, created_at,
+                                     expires_at)
+            SELECT p_tenant, id, k, v_now, e FROM unnest(h_ids, h_keys, h_expires) AS u(id, k, e)
+        ), held_lines AS (
+            INSERT INTO reservation_line (tenant_id, reservation_id, line_no, bucket_id,
+                                          quantity, expires_at)
+            SELECT p_tenant, id, 1, p_bucket, q, e FROM unnest(h_ids, h_qty, h_expires) AS u(id, q, e)
+        )
+        INSERT INTO outbox_event (tenant_id, type, payload)
+        SELECT p_tenant, 'reservation.created', v FROM unnest(h_views) WITH ORDINALITY AS u(v, n)
+        ORDER BY n;
+    END IF;
+
+    IF t_ids <> '{}' THEN
+        UPDATE reservation_line l SET held = false
+        FROM unnest(t_ids) AS u(id)
+        WHERE l.tenant_id = p_tenant AND l.reservation_id = u.id AND l.held;
+        INSERT INTO stock_movement (tenant_id, bucket_id, kind, quantity, reservation_id,
+                                    line_no, reason)
+        SELECT p_tenant, p_bucket, CASE WHEN k = 'claim' THEN 'sale' ELSE 'restore' END,
+               CASE WHEN k = 'claim' THEN -q ELSE q END, id, 1,
+               CASE WHEN k = 'claim' THEN NULL ELSE 'released' END
+        FROM unnest(t_ids, t_kinds, t_qty) AS u(id, k, q);
+        UPDATE reservation r
+        SET status = CASE WHEN u.k = 'claim' THEN 'claimed' ELSE 'released' END,
+            claimed_at = CASE WHEN u.k = 'claim' THEN v_now ELSE r.claimed_at END,
+            released_at = CASE WHEN u.k = 'release' THEN v_now ELSE r.released_at END
+        FROM unnest(t_ids, t_kinds) AS u(id, k)
+        WHERE r.tenant_id = p_tenant AND r.reservation_id = u.id;
+        INSERT INTO outbox_event (tenant_id, type, payload)
+        SELECT p_tenant, CASE WHEN k = 'claim' THEN 'reservation.claimed'
+                              ELSE 'reservation.released' END, v
+        FROM unnest(t_kinds, t_views) WITH ORDINALITY AS u(k, v, n)
+        ORDER BY n;
+    END IF;
+
+    IF l_keys <> '{}' THEN
+        INSERT INTO request_ledger (tenant_id, request_key, operation, digest, status, outcome)
+        SELECT p_tenant, k, o, d, s, doc
+        FROM unnest(l_keys, l_ops, l_digests, l_status, l_outcomes) AS u(k, o, d, s, doc)
+        ON CONFLICT (tenant_id, request_key) DO NOTHING;
+        GET DIAGNOSTICS j = ROW_COUNT;
+        IF j <> cardinality(l_keys) THEN
+            RAISE EXCEPTION 'a request key of the batch was committed by a concurrent request'
+                USING ERRCODE = 'PR409';
+        END IF;
+    END IF;
+
+    IF v_units + v_pool_back > 0 THEN
+        -- taken for the batch but not used, and released units: into the pool
+        INSERT INTO stock_unit (tenant_id, bucket_id)
+        SELECT p_tenant, p_bucket FROM generate_series(1, v_units + v_pool_back);
+    END IF;
+    IF v_dfree <> 0 OR v_don_hand <> 0 OR v_dshortfall <> 0 THEN
+        UPDATE stock_bucket
+        SET free = free + v_dfree, on_hand = on_hand + v_don_hand,
+            shortfall = shortfall + v_dshortfall, updated_at = v_now
+        WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+    END IF;
+    IF b.strategy = 'pool' AND v_dry THEN
+        -- the pool ran dry: refill it, as the inline refiller of an unbatched take does
+        PERFORM pool_replenish_v1(p_tenant, p_bucket, 0, v_now);
+    END IF;
+    RETURN to_jsonb(v_out);
+END $$;
+
+-- The first shortage of a batch (bucket_batch_v1 holds the bucket row lock):
+-- take pool units for what the rest of the batch asks (a pool bucket), give up
+-- expired holds if that is still not enough, and tell whether units or
+-- expired holds that other transactions hold remain (then a short request is
+-- not decided in the batch).
+CREATE OR REPLACE FUNCTION bucket_batch_look_v1(p_tenant bigint, p_bucket bigint,
+                                                p_strategy text, p_now timestamptz,
+                                                p_from integer, p_kinds text[],
+                                                p_quantities integer[],
+                                                INOUT units bigint, INOUT free bigint,
+                                                p_skip uuid[], OUT others boolean)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_demand bigint;
+    v_got bigint;
+BEGIN
+    SELECT coalesce(sum(p_quantities[x]), 0) INTO v_demand
+    FROM generate_series(p_from, cardinality(p_kinds)) AS x WHERE p_kinds[x] = 'reserve';
+    v_demand := greatest(v_demand, 1);
+    IF p_strategy = 'pool' AND units < v_demand THEN
+        WITH picked AS (
+            SELECT unit_id FROM stock_unit
+            WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+            ORDER BY unit_id LIMIT v_demand - units
+            FOR UPDATE SKIP LOCKED
+        ), gone AS (
+            DELETE FROM stock_unit u USING picked
+            WHERE u.tenant_id = p_tenant AND u.bucket_id = p_bucket
+              AND u.unit_id = picked.unit_id
+            RETURNING 1
+        )
+        SELECT count(*) INTO v_got FROM gone;
+        units := units + v_got;
+    END IF;
+    IF units + free < v_demand THEN
+        free := free + bucket_reclaim_expired_v1(p_tenant, p_bucket, p_now,
+                                                 v_demand - units - free, p_skip);
+    END IF;
+    others := EXISTS (SELECT 1 FROM stock_unit u
+                      WHERE u.tenant_id = p_tenant AND u.bucket_id = p_bucket)
+              OR EXISTS (SELECT 1 FROM reservation_line l
+                         WHERE l.tenant_id = p_tenant AND l.bucket_id = p_bucket
+                           AND l.held AND l.expires_at <= p_now);
+END $$;

@@ -1,0 +1,253 @@
+"""Group commit: a bucket's concurrent requests share one transaction, each with its own answer."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import psycopg
+import pytest
+
+from pgreserve import Database, ReservationService, Tenant
+from pgreserve.core.batching import BatchConfig, BatchRequest, Combiner
+from pgreserve.core.service import digest
+from pgreserve.errors import Busy, IdempotencyKeyReused, ReservationClaimed
+
+from conftest import table_counts
+
+
+async def bucket_id(db: Database, tenant: int, sku: str) -> int:
+    rows = await db.fetch("SELECT bucket_id FROM stock_bucket WHERE tenant_id = %s AND sku = %s",
+                          (tenant, sku))
+    return int(rows[0][0])
+
+
+def wait_for_lock_waiters(dsn: str, count: int) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for _ in range(500):
+            row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname ="
+                               " current_database() AND wait_event_type = 'Lock'").fetchone()
+            if row is not None and row[0] >= count:
+                return
+            import time
+            time.sleep(0.01)
+    raise AssertionError("no request ever waited on the lock")
+
+
+async def test_concurrent_buyers_share_batches_and_each_gets_its_answer(
+        service: ReservationService, tenant: Tenant, strategy: str) -> None:
+    """100 concurrent one-unit buyers of 40 units: exactly 40 held, 60 rejected with
+    available 0, in fewer transactions than requests, and the books balance."""
+    await service.set_stock(tenant.id, "hot", "w", 40, strategy=strategy)
+    outs = await asyncio.gather(*(service.reserve(tenant.id, f"k{i}", [("hot", "w", 1)])
+                                  for i in range(100)))
+    held = [o for o in outs if o.held]
+    assert len(held) == 40
+    assert len({o.reservation.id for o in held if o.reservation}) == 40
+    assert all(o.short_lines[0].available == 0 for o in outs if not o.held)
+    assert service.combiner is not None
+    assert service.combiner.stats.requests == 100
+    assert service.combiner.stats.batches < 100
+    view = await service.get_stock(tenant.id, "hot", "w")
+    assert (view.on_hand, view.reserved, view.available) == (40, 40, 0)
+    assert await service.invariant_violations() == []
+
+
+async def test_a_batch_decides_in_arrival_order(db: Database, tenant: Tenant,
+                                               service: ReservationService) -> None:
+    """Within one batch the earlier request wins the last units: with 3 units left,
+    requests of 2, 2 and 1 queued behind a busy bucket go as one batch and hold the first
+    and the third."""
+    from datetime import timedelta
+
+    await service.set_stock(tenant.id, "s", "w", 4)
+    bucket = await bucket_id(db, tenant.id, "s")
+    combiner = Combiner(db)
+    ttl = timedelta(minutes=5)
+    with psycopg.connect(db.conninfo) as blocker:
+        blocker.execute("SELECT 1 FROM stock_bucket WHERE bucket_id = %s FOR UPDATE", (bucket,))
+        first = asyncio.create_task(combiner.submit(tenant.id, bucket, BatchRequest(
+            "reserve", key="first", digest="d", quantity=1, ttl=ttl)))
+        await asyncio.to_thread(wait_for_lock_waiters, db.conninfo, 1)
+        later = [asyncio.create_task(combiner.submit(tenant.id, bucket, BatchRequest(
+            "reserve", key=f"r{i}", digest="d", quantity=q, ttl=ttl)))
+            for i, q in enumerate((2, 2, 1))]
+        await asyncio.sleep(0.05)
+        blocker.rollback()
+    assert (await first)["ok"]["status"] == "held"
+    answers = await asyncio.gather(*later)
+    assert [a["ok"]["status"] for a in answers] == ["held", "rejected", "held"]
+    assert answers[1]["ok"]["short_lines"][0]["available"] == 1
+    assert combiner.stats.sizes[3] == 3  # the three waited together and went as one batch
+
+
+async def test_duplicate_keys_in_one_batch_act_once(db: Database, tenant: Tenant,
+                                                   service: ReservationService,
+                                                   dsn: str) -> None:
+    """The same key twice in one batch holds once and replays; the same key with other
+    parameters is IdempotencyKeyReused and changes nothing."""
+    await service.set_stock(tenant.id, "s", "w", 10)
+    same = await asyncio.gather(*(service.reserve(tenant.id, "twice", [("s", "w", 2)])
+                                  for _ in range(2)))
+    assert all(o.held for o in same)
+    assert same[0].reservation is not None and same[1].reservation is not None
+    assert same[0].reservation.id == same[1].reservation.id
+    assert sorted(o.replayed for o in same) == [False, True]
+    results = await asyncio.gather(
+        service.reserve(tenant.id, "other", [("s", "w", 1)]),
+        service.reserve(tenant.id, "other", [("s", "w", 5)]), return_exceptions=True)
+    assert sum(isinstance(r, IdempotencyKeyReused) for r in results) == 1
+    assert table_counts(dsn)["reservation"] == 2
+    view = await service.get_stock(tenant.id, "s", "w")
+    assert view.reserved == 3
+    assert await service.invariant_violations() == []
+
+
+async def test_claims_and_releases_batch_with_holds(service: ReservationService,
+                                                    tenant: Tenant, strategy: str) -> None:
+    """Concurrent claims, releases and new holds of one bucket: each transition happens once,
+    a claim after a release in the same burst is refused, and the books balance."""
+    await service.set_stock(tenant.id, "s", "w", 30, strategy=strategy)
+    holds = [await service.reserve(tenant.id, f"h{i}", [("s", "w", 1)]) for i in range(20)]
+    ids = [h.reservation.id for h in holds if h.reservation]
+    work = [service.claim(tenant.id, rid) for rid in ids[:10]]
+    work += [service.release(tenant.id, rid, request_key=f"rel-{rid}") for rid in ids[10:]]
+    work += [service.reserve(tenant.id, f"n{i}", [("s", "w", 1)]) for i in range(15)]
+    results = await asyncio.gather(*work)
+    assert len(results) == 35
+    again = await asyncio.gather(*(service.release(tenant.id, rid) for rid in ids[:3]),
+                                 return_exceptions=True)
+    assert all(isinstance(r, ReservationClaimed) for r in again)
+    replay = await service.release(tenant.id, ids[10], request_key=f"rel-{ids[10]}")
+    assert replay.replayed
+    new_holds = sum(1 for r in results[20:] if getattr(r, "held", False))
+    assert 10 <= new_holds <= 15  # 10 free before the releases, 20 after
+    view = await service.get_stock(tenant.id, "s", "w")
+    assert view.on_hand == 20  # 10 sold
+    assert (view.reserved, view.available) == (new_holds, 20 - new_holds)
+    assert await service.invariant_violations() == []
+
+
+async def test_a_poison_request_fails_alone(db: Database, tenant: Tenant,
+                                           service: ReservationService) -> None:
+    """A request that makes the batch's transaction fail is isolated by splitting: it gets
+    its error, every other request of the batch its own answer."""
+    from datetime import timedelta
+
+    await service.set_stock(tenant.id, "s", "w", 10)
+    bucket = await bucket_id(db, tenant.id, "s")
+    combiner = Combiner(db)
+    ttl = timedelta(minutes=5)
+    requests = [BatchRequest("reserve", key=f"g{i}", digest="d", quantity=1, ttl=ttl)
+                for i in range(6)]
+    # a zero quantity passes the batch's arithmetic and breaks a CHECK at insert
+    requests.insert(3, BatchRequest("reserve", key="poison", digest="d", quantity=0, ttl=ttl))
+    answers = await asyncio.gather(*(combiner.submit(tenant.id, bucket, r) for r in requests),
+                                   return_exceptions=True)
+    assert isinstance(answers[3], psycopg.errors.CheckViolation)
+    assert [a["ok"]["status"] for i, a in enumerate(answers) if i != 3] == ["held"] * 6
+    assert combiner.stats.splits >= 1
+    view = await service.get_stock(tenant.id, "s", "w")
+    assert view.reserved == 6
+    assert await service.invariant_violations() == []
+
+
+async def test_a_full_queue_answers_busy_at_once(db: Database, tenant: Tenant,
+                                                service: ReservationService) -> None:
+    """With the bucket's queue full, a request is answered Busy at once, not queued; the
+    queued ones are answered when the bucket is free again."""
+    from datetime import timedelta
+
+    await service.set_stock(tenant.id, "s", "w", 10)
+    bucket = await bucket_id(db, tenant.id, "s")
+    combiner = Combiner(db, BatchConfig(max_batch=1, max_queue=2))
+    req = [BatchRequest("reserve", key=f"q{i}", digest="d", quantity=1,
+                        ttl=timedelta(minutes=5)) for i in range(4)]
+    with psycopg.connect(db.conninfo) as blocker:
+        blocker.execute("SELECT 1 FROM stock_bucket WHERE bucket_id = %s FOR UPDATE", (bucket,))
+        in_flight = asyncio.create_task(combiner.submit(tenant.id, bucket, req[0]))
+        await asyncio.to_thread(wait_for_lock_waiters, db.conninfo, 1)
+        queued = [asyncio.create_task(combiner.submit(tenant.id, bucket, r)) for r in req[1:3]]
+        await asyncio.sleep(0)
+        with pytest.raises(Busy):
+            await combiner.submit(tenant.id, bucket, req[3])
+        blocker.rollback()
+    answers = [await in_flight, *(await asyncio.gather(*queued))]
+    assert [a["ok"]["status"] for a in answers] == ["held"] * 3
+    assert combiner.stats.busy == 1
+
+
+async def test_a_cancelled_caller_keeps_its_answer_for_the_retry(
+        db: Database, tenant: Tenant, service: ReservationService) -> None:
+    """A caller that gives up while its batch waits does not cancel the request: the batch
+    commits, and the retry with the same key replays the hold."""
+    await service.set_stock(tenant.id, "s", "w", 5)
+    bucket = await bucket_id(db, tenant.id, "s")
+    with psycopg.connect(db.conninfo) as blocker:
+        blocker.execute("SELECT 1 FROM stock_bucket WHERE bucket_id = %s FOR UPDATE", (bucket,))
+        caller = asyncio.create_task(service.reserve(tenant.id, "gave-up", [("s", "w", 2)]))
+        await asyncio.to_thread(wait_for_lock_waiters, db.conninfo, 1)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        blocker.rollback()
+    for _ in range(100):
+        if service.combiner is not None and service.combiner.stats.requests:
+            break
+        await asyncio.sleep(0.02)
+    retry = await service.reserve(tenant.id, "gave-up", [("s", "w", 2)])
+    assert retry.held and retry.replayed
+
+
+async def test_batched_and_unbatched_processes_on_one_bucket_stay_exact(
+        dsn: str, tenant: Tenant, strategy: str) -> None:
+    """Two services on separate pools, one batching and one not, racing for one bucket with
+    holds, claims and releases: never more held than stock, every unit accounted for."""
+    async with Database(dsn, max_size=8) as a, Database(dsn, max_size=8) as b:
+        batched, plain = ReservationService(a), ReservationService(b, batching=False)
+        await plain.set_stock(tenant.id, "s", "w", 50, strategy=strategy)
+
+        async def buyer(svc: ReservationService, name: str) -> int:
+            held = 0
+            for i in range(20):
+                out = await svc.reserve(tenant.id, f"{name}-{i}", [("s", "w", 1 + i % 3)])
+                if out.held and out.reservation is not None:
+                    held += 1
+                    if i % 2:
+                        await svc.claim(tenant.id, out.reservation.id)
+                    elif i % 4 == 0:
+                        await svc.release(tenant.id, out.reservation.id)
+            return held
+
+        await asyncio.gather(*(buyer(batched, f"a{n}") for n in range(6)),
+                             *(buyer(plain, f"b{n}") for n in range(6)))
+        view = await plain.get_stock(tenant.id, "s", "w")
+        assert view.available >= 0 and view.reserved >= 0
+        assert await plain.invariant_violations() == []
+
+
+async def test_the_same_request_batched_or_not_gets_the_same_answer(
+        dsn: str, tenant: Tenant) -> None:
+    """A hold, a replay, a rejection, a claim and a keyed release answer the same documents
+    through the combiner as through one transaction each."""
+    answers: dict[bool, list[object]] = {}
+    async with Database(dsn, max_size=4) as db:
+        for batching in (True, False):
+            svc = ReservationService(db, batching=batching)
+            sku = f"s-{batching}"
+            await svc.set_stock(tenant.id, sku, "w", 3)
+            held = await svc.reserve(tenant.id, f"{sku}-a", [(sku, "w", 2)])
+            replay = await svc.reserve(tenant.id, f"{sku}-a", [(sku, "w", 2)])
+            short = await svc.reserve(tenant.id, f"{sku}-b", [(sku, "w", 2)])
+            assert held.reservation is not None
+            claimed = await svc.claim(tenant.id, held.reservation.id)
+            other = await svc.reserve(tenant.id, f"{sku}-c", [(sku, "w", 1)])
+            assert other.reservation is not None
+            released = await svc.release(tenant.id, other.reservation.id, request_key=f"{sku}-r")
+            again = await svc.release(tenant.id, other.reservation.id, request_key=f"{sku}-r")
+            answers[batching] = [
+                (held.held, held.replayed), (replay.held, replay.replayed),
+                short.short_lines[0].available, claimed.status, claimed.lines[0].quantity,
+                released.status, again.replayed]
+            assert digest("release", {"id": str(uuid.UUID(other.reservation.id))})
+    assert answers[True] == answers[False]
