@@ -104,8 +104,7 @@ def test_stateful_links_create_then_claim_release_get(
             case.validate_response(response, additional_checks=additional_checks,
                                    excluded_checks=excluded)
 
-    links = {name for name in OPENAPI["paths"]["/v1/reservations"]["post"]["responses"]["201"]
-             ["links"]}
+    links = set(OPENAPI["paths"]["/v1/reservations"]["post"]["responses"]["201"]["links"])
     assert links == {"GetReservation", "ClaimReservation", "ReleaseReservation",
                      "ExtendReservation"}
     Workflow.run(settings=settings(max_examples=12, stateful_step_count=6, deadline=None,

@@ -17,7 +17,7 @@ def bouncer_stats(bouncer: PgBouncer, database: str) -> dict[str, int]:
         cur = conn.execute("SHOW STATS")
         cols = [c.name for c in cur.description or []]
         for row in cur.fetchall():
-            doc = dict(zip(cols, row))
+            doc = dict(zip(cols, row, strict=True))
             if doc["database"] == database:
                 return {k: int(v) for k, v in doc.items() if k != "database"}
     return {}

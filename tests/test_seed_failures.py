@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
@@ -50,9 +50,9 @@ async def counts(dsn: str) -> tuple[int, int, int]:
     return int(row[0]), int(row[1]), int(row[2])
 
 
-@pytest.mark.parametrize("stage,ends", [("before_insert", "commit"),
-                                        ("before_commit", "commit"),
-                                        ("before_commit", "rollback")])
+@pytest.mark.parametrize(("stage", "ends"), [("before_insert", "commit"),
+                                             ("before_commit", "commit"),
+                                             ("before_commit", "rollback")])
 async def test_same_key_collision_at_each_stage(
         dsn: str, service: ReservationService, tenant: Tenant, strategy: str,
         stage: str, ends: str) -> None:
@@ -194,7 +194,7 @@ class Later:
     """The database clock an hour ahead: every hold made now is due."""
 
     def __call__(self) -> datetime:
-        return datetime.now(timezone.utc) + timedelta(hours=1)
+        return datetime.now(UTC) + timedelta(hours=1)
 
 
 async def test_paused_sweeper_against_release(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Iterable
@@ -115,7 +116,7 @@ def cart(lines: Iterable[Any]) -> list[Line]:
     if not parsed:
         raise InvalidRequest("a cart needs at least one line", field="lines")
     parsed.sort(key=lambda line: (line.sku, line.location))
-    for a, b in zip(parsed, parsed[1:]):
+    for a, b in itertools.pairwise(parsed):
         if (a.sku, a.location) == (b.sku, b.location):
             raise InvalidRequest(
                 f"two lines for the same stock ({a.sku!r} at {a.location!r}); merge them",

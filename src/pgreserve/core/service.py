@@ -14,9 +14,10 @@ import secrets
 import uuid
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
-from typing import Any, LiteralString, Protocol
 from time import perf_counter
+from typing import Any, LiteralString, Protocol
 
+from .. import apikeys
 from .. import validation as check
 from ..db import literals as lit
 from ..db.database import Database, Op
@@ -36,12 +37,11 @@ from ..domain import (
     Webhook,
 )
 from ..errors import InvalidRequest, ReservationNotFound, UnknownStock, WebhookNotFound
-from .. import apikeys
 
 Clock = Callable[[], datetime | None]
 
 SWEEP_BATCH_MAX = 500
-WEBHOOK_SECRET_PREFIX = "whsec_"
+WEBHOOK_SECRET_PREFIX = "whsec_"  # noqa: S105 - the public prefix of generated secrets
 
 # Every call site's business process (its connection's application_name is
 # pgreserve:<role>) and static statement tag. See docs/operations.md.
@@ -447,4 +447,4 @@ def _failure(exc: BaseException) -> str:
     return "error"
 
 
-__all__ = ["ReservationService", "digest", "Line", "OPS"]
+__all__ = ["OPS", "Line", "ReservationService", "digest"]

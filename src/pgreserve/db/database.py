@@ -230,7 +230,7 @@ class Database:
                         raise errors.Busy(f"gave up after {attempt} attempts: {exc}",
                                           sqlstate=state) from exc
                     delay = min(s.backoff_cap_s, s.backoff_base_s * 2 ** (attempt - 1))
-                    await asyncio.sleep(random.uniform(0, delay))
+                    await asyncio.sleep(random.uniform(0, delay))  # noqa: S311 - jitter, no secret
                     continue
                 raise
 
@@ -320,7 +320,7 @@ class _Statement:
                 f"the statement has {len(self.parts) - 1} placeholders"
                 f" but {len(params)} parameters were passed")
         out = [self.parts[0]]
-        for value, part in zip(params, self.parts[1:]):
+        for value, part in zip(params, self.parts[1:], strict=True):
             out.append(adapt.as_literal(value))
             out.append(part)
         return b"".join(out)

@@ -7,6 +7,7 @@ one to exit stops it (the wheel keeps the list of users in the data directory).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
@@ -78,7 +79,8 @@ class EmbeddedServer:
 
     def start(self) -> str:
         """Start (or join) the server and return the DSN of the pgreserve database."""
-        os.environ.setdefault("XDG_RUNTIME_DIR", str(Path("/tmp") / f"runtime-{os.getuid()}"))
+        os.environ.setdefault("XDG_RUNTIME_DIR", str(
+            Path("/tmp") / f"runtime-{os.getuid()}"))  # noqa: S108 - per user, made 0700 below
         Path(os.environ["XDG_RUNTIME_DIR"]).mkdir(mode=0o700, exist_ok=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -104,15 +106,13 @@ class EmbeddedServer:
         with psycopg.connect(admin, autocommit=True) as conn:
             exists = conn.execute(queries["database_exists"], (DATABASE,)).fetchone()
             if not exists:
-                try:
+                with contextlib.suppress(psycopg.errors.DuplicateDatabase):
                     conn.execute(sql.SQL(queries["database_create"]).format(
                         sql.Identifier(DATABASE)))
-                except psycopg.errors.DuplicateDatabase:
-                    pass
         return self.dsn(DATABASE)
 
     def dsn(self, database: str = DATABASE) -> str:
-        assert self._server is not None, "server not started"
+        assert self._server is not None, "server not started"  # noqa: S101 - a caller's bug
         uri: str = self._server.get_uri(database)  # type: ignore[attr-defined]
         return uri
 
