@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from datetime import UTC, datetime, timedelta
 
 import psycopg
@@ -211,13 +212,13 @@ async def test_release_races_release_sweeper_and_claim(dsn: str, strategy: str) 
             assert out.reservation is not None
             ids.append(out.reservation.id)
 
-        async def quiet(coro: object) -> object:
+        async def quiet(coro: Awaitable[object]) -> object:
             try:
-                return await coro  # type: ignore[misc]
+                return await coro
             except (ReservationClaimed, ReservationReleased) as exc:
                 return exc
 
-        jobs = []
+        jobs: list[Awaitable[object]] = []
         for n, rid in enumerate(ids):
             if n % 3 == 0:
                 jobs += [service.release(tenant.id, rid), service.release(tenant.id, rid)]

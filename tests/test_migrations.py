@@ -100,7 +100,7 @@ _CATALOG = {
 
 def _catalog(dsn: str) -> dict[str, list[tuple[object, ...]]]:
     with psycopg.connect(dsn) as conn:
-        return {part: conn.execute(query).fetchall()  # type: ignore[call-overload]
+        return {part: conn.execute(query).fetchall()
                 for part, query in _CATALOG.items()}
 
 

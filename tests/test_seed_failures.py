@@ -164,7 +164,7 @@ async def test_paused_claim_or_release_against_the_other(
     rid = uuid.UUID(out.reservation.id)
     second_op = service.claim if first_op == "release" else service.release
     with psycopg.connect(dsn) as first:
-        first.execute(f"SELECT {first_op}_v1(%s, %s)", (tenant.id, rid))  # type: ignore[arg-type]
+        first.execute(f"SELECT {first_op}_v1(%s, %s)", (tenant.id, rid))
         second = asyncio.create_task(second_op(tenant.id, rid))
         await wait_until_blocked(dsn)
         first.commit() if first_ends == "commit" else first.rollback()

@@ -98,6 +98,9 @@ def cart(lines: Iterable[Any]) -> list[Line]:
     if isinstance(lines, (str, bytes)) or not isinstance(lines, Iterable):
         raise InvalidRequest("lines must be a list", field="lines")
     parsed: list[Line] = []
+    sku: Any
+    loc: Any
+    qty: Any
     for i, raw in enumerate(lines):
         if isinstance(raw, Line):
             sku, loc, qty = raw.sku, raw.location, raw.quantity

@@ -160,7 +160,7 @@ class FaultServer:
     def install(self) -> None:
         migrations.migrate(self.dsn)
         with psycopg.connect(self.dsn, autocommit=True) as conn:
-            conn.execute(FAULT_SQL)  # type: ignore[arg-type]
+            conn.execute(FAULT_SQL)
 
     def crash(self) -> None:
         self.server.stop_now("immediate")
@@ -574,7 +574,7 @@ async def audit(dsn: str) -> list[str]:
         }
         async with conn.transaction():
             for name, sql in queries.items():
-                cur = await conn.execute(sql)  # type: ignore[arg-type]
+                cur = await conn.execute(sql)
                 found += [f"{name}: {row[0]}" for row in await cur.fetchall()]
         return found
 

@@ -51,7 +51,7 @@ def with_commit_mode(dsn: str, durable: bool) -> str:
     options = str(params.get("options") or "")
     mode = "on" if durable else "off"
     params["options"] = f"{options} -c synchronous_commit={mode}".strip()
-    return make_conninfo(**{k: v for k, v in params.items() if v is not None})
+    return make_conninfo("", **{k: v for k, v in params.items() if v is not None})
 
 
 async def run_scenario(dsn: str, scenario: Scenario, *, progress: Progress | None = None,

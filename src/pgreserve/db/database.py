@@ -77,7 +77,8 @@ class Op:
 
 def tagged(sql: str, op: Op | None) -> LiteralString:
     """The statement with its op's static comment appended (after the last token)."""
-    return cast(LiteralString, sql if op is None else sql + op.comment)
+    # mypy reads LiteralString as str; the cast is for checkers that enforce it
+    return cast(LiteralString, sql if op is None else sql + op.comment)  # type: ignore[redundant-cast]
 
 
 Observer = Callable[[str, str], None]  # (action, event) e.g. ("reserve", "deadlock_retried")

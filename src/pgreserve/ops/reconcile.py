@@ -128,8 +128,8 @@ def _repair(dsn: str, found: Reconciliation) -> list[str]:
     with psycopg.connect(dsn, autocommit=True, application_name="pgreserve:reconcile") as conn:
         total = 0
         for _ in range(max(1, overdue // 500 + 2)):  # bounded: one batch more than needed
-            n = int(conn.execute(  # type: ignore[index]
-                tagged(queries["reservation_expire_overdue"], REPAIR)).fetchone()[0])
+            row = conn.execute(tagged(queries["reservation_expire_overdue"], REPAIR)).fetchone()
+            n = int(row[0]) if row else 0
             total += n
             if n < 500:
                 break
