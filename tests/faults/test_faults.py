@@ -10,6 +10,7 @@ import os
 from collections.abc import Iterator
 
 import pytest
+
 from harness import FaultRun, FaultServer
 
 pytestmark = pytest.mark.faults

@@ -99,10 +99,9 @@ class BodyLimit:
             return
         too_large = problems.PayloadTooLarge(f"the request body exceeds {self.limit} bytes")
         for name, value in scope.get("headers", []):
-            if name == b"content-length":
-                if not value.isdigit() or int(value) > self.limit:
-                    await problems.problem_response(too_large)(scope, receive, send)
-                    return
+            if name == b"content-length" and (not value.isdigit() or int(value) > self.limit):
+                await problems.problem_response(too_large)(scope, receive, send)
+                return
         # Buffer the body (at most `limit` bytes), then hand it on.
         chunks: list[bytes] = []
         size = 0
@@ -340,7 +339,7 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
             allowed: set[str] = set()
             for route in app.routes:
                 if isinstance(route, APIRoute) and route.matches(request.scope)[0] != Match.NONE:
-                    allowed |= route.methods
+                    allowed |= route.methods or set()
             return problems.problem_response(problems.MethodNotAllowed("method not allowed"),
                                              headers={"Allow": ", ".join(sorted(allowed))})
         if exc.status_code == 404:
@@ -363,7 +362,8 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     @app.put("/v1/stock/{location}/{sku}", response_model=StockOut, tags=["stock"],
              responses=problems.responses(*common, 413),
              summary="Set the on-hand count of a SKU at a location (creates it)")
-    async def put_stock(location: PathName, sku: PathName, body: StockSet, tenant: Tenant) -> Response:
+    async def put_stock(location: PathName, sku: PathName, body: StockSet,
+                        tenant: Tenant) -> Response:
         view = await service().set_stock(tenant, _name(sku, "sku"),
                                          _name(location, "location"), body.on_hand,
                                          strategy=body.strategy)
@@ -517,7 +517,7 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     async def healthz() -> Response:
         try:
             await service().db.fetch("SELECT 1")
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure to reach the database is a 503
             raise problems.Unavailable(f"database unreachable: {type(exc).__name__}") from None
         return json_response(200, {"status": "ok"})
 
@@ -589,8 +589,8 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     app.state.ops = ops
     app.state.service = (ReservationService(database, **extra)
                          if database is not None else None)
-    app.add_middleware(CountRequests, metrics=metrics)  # type: ignore[arg-type]
-    app.add_middleware(BodyLimit, limit=body_limit)  # type: ignore[arg-type]
+    app.add_middleware(CountRequests, metrics=metrics)
+    app.add_middleware(BodyLimit, limit=body_limit)
     return app
 
 
