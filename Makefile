@@ -1,12 +1,14 @@
 # The two commands of the README's quick start: `make run` and `make test`.
 # One install serves both: the service, its tests and the bench they exercise
-# (extras test and bench; `pip install -e '.[dev]'` adds ruff and mypy).
+# (extras test and bench). `make lint` adds the dev extra (ruff and mypy, pinned)
+# on top, so that mypy sees every import of src/ and tests/.
 PYTHON ?= python3.11
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: run test soak race clean
+.PHONY: run test lint soak race clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found; set PYTHON=python3"; exit 1; }
@@ -15,11 +17,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	touch $(STAMP)
 
+$(DEV_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[dev,test,bench]'
+	touch $(DEV_STAMP)
+
 run: $(STAMP)
 	$(BIN)/pgreserve up
 
 test: $(STAMP)
 	$(BIN)/pytest
+
+lint: $(DEV_STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/mypy src tests
 
 # The fault-injection suite for SECONDS seconds of load (default 600); the
 # report's last line is "soak: N operations, N faults injected, ...".

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import psycopg
 import pytest
 import pytest_asyncio
+from psycopg import sql
 
 from pgreserve import Database, ReservationService, Tenant
 from pgreserve.db import migrate as migrations
@@ -21,6 +22,7 @@ from pgreserve.db.embedded import EmbeddedServer
 if TYPE_CHECKING:
     import httpx
     from fastapi import FastAPI
+
     from pgbouncer import PgBouncer
 
 TEMPLATE = "pgreserve_template"
@@ -84,9 +86,14 @@ def table_counts(dsn: str) -> dict[str, int]:
     """Row counts of every table that a write would touch."""
     tables = ["tenant", "stock_bucket", "stock_unit", "reservation", "reservation_line",
               "request_ledger", "stock_movement", "outbox_event"]
+    counts: dict[str, int] = {}
     with psycopg.connect(dsn) as conn:
-        return {t: conn.execute(f"SELECT count(*) FROM {t}").fetchone()[0]  # type: ignore[index]
-                for t in tables}
+        for t in tables:
+            row = conn.execute(
+                sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(t))).fetchone()
+            assert row is not None
+            counts[t] = int(row[0])
+    return counts
 
 
 # -- the HTTP API ---------------------------------------------------------------
@@ -94,14 +101,14 @@ def table_counts(dsn: str) -> dict[str, int]:
 class ApiTenant:
     """A tenant with its API key and an authenticated client."""
 
-    def __init__(self, tenant: Tenant, key: str, client: "httpx.AsyncClient") -> None:
+    def __init__(self, tenant: Tenant, key: str, client: httpx.AsyncClient) -> None:
         self.tenant = tenant
         self.key = key
         self.client = client
 
 
 @pytest.fixture(scope="session")
-def pgbouncer(pg_server: EmbeddedServer) -> Iterator["PgBouncer"]:
+def pgbouncer(pg_server: EmbeddedServer) -> Iterator[PgBouncer]:
     """A real PgBouncer (transaction pooling) in front of the session's server."""
     from pgbouncer import PgBouncer
 
@@ -140,14 +147,14 @@ async def api_db(db: Database, via: str,
 
 
 @pytest_asyncio.fixture
-async def app(api_db: Database) -> "FastAPI":
+async def app(api_db: Database) -> FastAPI:
     from pgreserve.http import create_app
 
     return create_app(database=api_db)
 
 
 @pytest_asyncio.fixture
-async def api(app: "FastAPI", service: ReservationService) -> AsyncIterator[ApiTenant]:
+async def api(app: FastAPI, service: ReservationService) -> AsyncIterator[ApiTenant]:
     """An httpx client on the real app, authenticated as tenant 'acme'."""
     import httpx
 
@@ -159,7 +166,7 @@ async def api(app: "FastAPI", service: ReservationService) -> AsyncIterator[ApiT
 
 
 @pytest_asyncio.fixture
-async def other(app: "FastAPI", service: ReservationService) -> AsyncIterator[ApiTenant]:
+async def other(app: FastAPI, service: ReservationService) -> AsyncIterator[ApiTenant]:
     """A second tenant, 'globex', with its own client."""
     import httpx
 

@@ -39,7 +39,7 @@ BAD_CARTS: list[tuple[str, Any]] = [
 ]
 
 
-@pytest.mark.parametrize("label,cart", BAD_CARTS, ids=[c[0] for c in BAD_CARTS])
+@pytest.mark.parametrize(("label", "cart"), BAD_CARTS, ids=[c[0] for c in BAD_CARTS])
 async def test_bad_cart_is_refused_and_writes_nothing(
         service: ReservationService, tenant: Tenant, dsn: str, label: str, cart: Any) -> None:
     """Each malformed cart raises InvalidRequest and no table changes."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -12,7 +13,7 @@ from click.testing import CliRunner
 from pgreserve.bench import Scenario, plan, run_scenario
 from pgreserve.bench.cli import make_flash_sale
 from pgreserve.bench.processes import split
-from pgreserve.bench.runner import CheckContext
+from pgreserve.bench.runner import BeforeCheck, CheckContext
 from pgreserve.errors import InvalidRequest
 
 RUN_FIELDS = {"strategy", "requests", "held", "rejected", "errors", "retries",
@@ -24,7 +25,8 @@ DB_FIELDS = {"pool_dead_tuples_before", "pool_dead_tuples_after", "deadlocks", "
 SMALL = ["--units", "200", "--buyers", "16", "--requests", "600", "--quiet"]
 
 
-def invoke(dsn: str, tmp_path: Path, *args: str, hook=None) -> tuple[int, dict, str]:  # type: ignore[no-untyped-def]
+def invoke(dsn: str, tmp_path: Path, *args: str,
+           hook: BeforeCheck | None = None) -> tuple[int, dict[str, Any], str]:
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(make_flash_sale(before_check=hook),
                                 ["--database-url", dsn, "--json", str(out), *args])
@@ -39,7 +41,7 @@ def test_scenario_rejects_nonsense() -> None:
                 {"strategies": ("row", "row")}, {"strategies": ("disk",)},
                 {"expire_ttl_s": 0.5}, {"processes": 0}, {"buyers": 4, "processes": 5}):
         with pytest.raises(InvalidRequest):
-            Scenario(**bad)  # type: ignore[arg-type]
+            Scenario(**bad)
 
 
 def test_plan_is_deterministic_and_follows_the_shares() -> None:
@@ -95,9 +97,9 @@ def test_flash_sale_both_strategies_sell_exactly_the_stock(dsn: str, tmp_path: P
     assert code == 0, output
     assert [run["strategy"] for run in doc["runs"]] == ["row", "pool"]
     for run in doc["runs"]:
-        assert RUN_FIELDS <= run.keys()
-        assert LATENCY_FIELDS <= run["latency_ms"].keys()
-        assert DB_FIELDS <= run["db"].keys()
+        assert run.keys() >= RUN_FIELDS
+        assert run["latency_ms"].keys() >= LATENCY_FIELDS
+        assert run["db"].keys() >= DB_FIELDS
         assert run["requests"] == 600
         assert run["held"] == 200
         assert run["rejected"] == 400
@@ -180,7 +182,7 @@ def test_http_target_sells_exactly_the_stock(dsn: str, tmp_path: Path) -> None:
     assert code == 0, output
     assert [run["strategy"] for run in doc["runs"]] == ["row", "pool"]
     for run in doc["runs"]:
-        assert RUN_FIELDS <= run.keys() and LATENCY_FIELDS <= run["latency_ms"].keys()
+        assert run.keys() >= RUN_FIELDS and run["latency_ms"].keys() >= LATENCY_FIELDS
         assert run["target"] == "http"
         assert run["requests"] == 90 and run["errors"] == 0
         assert run["held"] >= 30 and run["retries"] > 0 and run["claimed"] > 0

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
-from datetime import datetime, timedelta, timezone
+from collections.abc import Awaitable
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
@@ -67,7 +67,7 @@ async def test_64_clients_race_for_50_units(dsn: str, strategy: str) -> None:
 
 
 @pytest.mark.parametrize("first_ends", ["commit", "rollback"])
-@pytest.mark.parametrize("first_qty,second_qty", [(7, 6), (6, 7)])
+@pytest.mark.parametrize(("first_qty", "second_qty"), [(7, 6), (6, 7)])
 async def test_competing_shortage_with_paused_first(
         dsn: str, service: ReservationService, tenant: Tenant, first_ends: str,
         strategy: str, first_qty: int, second_qty: int) -> None:
@@ -196,7 +196,7 @@ async def test_rollback_before_commit_lets_the_retry_run(
 
 class FarFuture:
     def __call__(self) -> datetime:
-        return datetime.now(timezone.utc) + timedelta(hours=1)
+        return datetime.now(UTC) + timedelta(hours=1)
 
 
 async def test_release_races_release_sweeper_and_claim(dsn: str, strategy: str) -> None:
@@ -212,13 +212,13 @@ async def test_release_races_release_sweeper_and_claim(dsn: str, strategy: str) 
             assert out.reservation is not None
             ids.append(out.reservation.id)
 
-        async def quiet(coro: object) -> object:
+        async def quiet(coro: Awaitable[object]) -> object:
             try:
-                return await coro  # type: ignore[misc]
+                return await coro
             except (ReservationClaimed, ReservationReleased) as exc:
                 return exc
 
-        jobs = []
+        jobs: list[Awaitable[object]] = []
         for n, rid in enumerate(ids):
             if n % 3 == 0:
                 jobs += [service.release(tenant.id, rid), service.release(tenant.id, rid)]

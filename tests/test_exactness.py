@@ -20,14 +20,14 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import table_counts
-from test_concurrency import deadlocks, reserve_sql, wait_until_blocked
 
+from conftest import table_counts
 from pgreserve import Database, ReservationService, Tenant
 from pgreserve.db import migrate as migrations
 from pgreserve.db.embedded import EmbeddedServer
 from pgreserve.errors import Busy, InvalidRequest, OutcomeUnknown, PgReserveError
 from pgreserve.workers.sweeper import Sweeper
+from test_concurrency import deadlocks, reserve_sql, wait_until_blocked
 
 
 class Later:
@@ -54,7 +54,7 @@ def figures(dsn: str, tenant: int, sku: str) -> dict[str, int]:
             (tenant, sku)).fetchone()
     assert row is not None
     names = ("on_hand", "free", "pool", "held", "shortfall", "sold")
-    return {k: int(v) for k, v in zip(names, row)}
+    return {k: int(v) for k, v in zip(names, row, strict=True)}
 
 
 def bucket_id(dsn: str, tenant: int, sku: str) -> int:

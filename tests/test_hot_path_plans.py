@@ -101,7 +101,7 @@ async def test_plainly_sold_out_is_answered_without_a_take(dsn: str, strategy: s
     assert {f: after.get(f, 0) - before.get(f, 0) for f in takes} == dict.fromkeys(takes, 0)
 
 
-def pool_indexes_opened(conn: psycopg.Connection, sql: str, params: tuple) -> int:
+def pool_indexes_opened(conn: psycopg.Connection, sql: str, params: tuple[object, ...]) -> int:
     """Indexes of pool partitions locked by one call inside a transaction. (A generic plan
     locks every partition it names before pruning; an index is locked only when the executor
     sets up a scan of it.)"""

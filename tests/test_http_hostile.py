@@ -18,7 +18,7 @@ ODD = ["\u202eevil", "\U0001f4a5", "e\u0301", "\ufeffbom", "tab\tname", "bell\x0
 
 
 def raw_line(quantity: str, sku: str = '"s"') -> bytes:
-    return ('{"lines": [{"sku": %s, "location": "wh", "quantity": %s}]}'
+    return ('{"lines": [{"sku": %s, "location": "wh", "quantity": %s}]}'  # noqa: UP031 - %s keeps the JSON braces literal
             % (sku, quantity)).encode()
 
 

@@ -69,7 +69,7 @@ schema = schemathesis.openapi.from_dict(copy.deepcopy(OPENAPI))
 @schema.parametrize()
 @settings(max_examples=15, deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
-def test_api_conforms_to_its_schema(case: schemathesis.Case,
+def test_api_conforms_to_its_schema(case: schemathesis.Case[Any],
                                     served: tuple[Any, dict[str, str]]) -> None:
     """Generated requests never get a 5xx and every response matches /openapi.json."""
     excluded = []
@@ -93,10 +93,10 @@ def test_stateful_links_create_then_claim_release_get(
     base_url, headers = served
 
     class Workflow(schema.as_state_machine()):  # type: ignore[misc]
-        def get_call_kwargs(self, case: schemathesis.Case) -> dict[str, Any]:
+        def get_call_kwargs(self, case: schemathesis.Case[Any]) -> dict[str, Any]:
             return {"base_url": base_url, "headers": headers}
 
-        def validate_response(self, response: Any, case: schemathesis.Case,
+        def validate_response(self, response: Any, case: schemathesis.Case[Any],
                               additional_checks: Any = None, **kwargs: Any) -> None:
             excluded = []
             if duplicate_lines(case.body):
@@ -104,8 +104,7 @@ def test_stateful_links_create_then_claim_release_get(
             case.validate_response(response, additional_checks=additional_checks,
                                    excluded_checks=excluded)
 
-    links = {name for name in OPENAPI["paths"]["/v1/reservations"]["post"]["responses"]["201"]
-             ["links"]}
+    links = set(OPENAPI["paths"]["/v1/reservations"]["post"]["responses"]["201"]["links"])
     assert links == {"GetReservation", "ClaimReservation", "ReleaseReservation",
                      "ExtendReservation"}
     Workflow.run(settings=settings(max_examples=12, stateful_step_count=6, deadline=None,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -21,7 +21,7 @@ class Clock:
     """A clock the test moves by hand."""
 
     def __init__(self) -> None:
-        self.now = datetime(2030, 1, 1, tzinfo=timezone.utc)
+        self.now = datetime(2030, 1, 1, tzinfo=UTC)
 
     def __call__(self) -> datetime:
         return self.now

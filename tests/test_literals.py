@@ -27,7 +27,7 @@ def test_any_values_round_trip(dsn: str) -> None:
 
         @settings(max_examples=300, deadline=None, database=None)
         @given(st.lists(st.text(alphabet=st.characters(blacklist_characters="\x00",
-                                                       blacklist_categories=("Cs",)),
+                                                       blacklist_categories=["Cs"]),
                                 min_size=1), min_size=1, max_size=5),
                st.lists(st.integers(min_value=-2**31, max_value=2**31 - 1), min_size=1,
                         max_size=5),

@@ -9,8 +9,8 @@ import psycopg
 import pytest
 
 from pgreserve.db import migrate as migrations
-from pgreserve.errors import MigrationError
 from pgreserve.db.embedded import EmbeddedServer
+from pgreserve.errors import MigrationError
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def test_concurrent_runners_apply_once(empty_dsn: str) -> None:
     def run() -> None:
         try:
             results.append(len(migrations.migrate(empty_dsn)))
-        except Exception as exc:  # recorded and asserted below
+        except Exception as exc:  # noqa: BLE001 - recorded and asserted below
             results.append(exc)
 
     threads = [threading.Thread(target=run) for _ in range(4)]
@@ -100,7 +100,7 @@ _CATALOG = {
 
 def _catalog(dsn: str) -> dict[str, list[tuple[object, ...]]]:
     with psycopg.connect(dsn) as conn:
-        return {part: conn.execute(query).fetchall()  # type: ignore[call-overload]
+        return {part: conn.execute(query).fetchall()
                 for part, query in _CATALOG.items()}
 
 

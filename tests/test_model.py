@@ -13,12 +13,18 @@ import asyncio
 import uuid
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from pgreserve import Database, ReservationService, Status
 from pgreserve.errors import (
@@ -47,7 +53,7 @@ class Clock:
     """The injected clock the machine moves."""
 
     def __init__(self) -> None:
-        self.now = datetime(2030, 1, 1, tzinfo=timezone.utc)
+        self.now = datetime(2030, 1, 1, tzinfo=UTC)
 
     def __call__(self) -> datetime:
         return self.now
@@ -64,7 +70,7 @@ class ReservationModel(RuleBasedStateMachine):
         self.clock = Clock()
         self.svc = ReservationService(self.db, clock=self.clock)
         self.tenant = self.run(self.svc.create_tenant(f"model-{uuid.uuid4()}")).id
-        self.on_hand = {b: 5 for b in BUCKETS}
+        self.on_hand = dict.fromkeys(BUCKETS, 5)
         self.holds: dict[str, Hold] = {}
         self.requests: list[tuple[str, tuple[tuple[str, str, int], ...], int, str | None]] = []
         self.n = 0

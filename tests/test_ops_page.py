@@ -42,9 +42,9 @@ class Tables(HTMLParser):
             self._row = []
         elif tag == "td" and self._row is not None:
             self._cell = []
-        elif tag == "span" and a.get("id"):
-            self._span = a["id"]
-            self.spans[self._span] = ""
+        elif tag == "span" and (span := a.get("id")):
+            self._span = span
+            self.spans[span] = ""
 
     def handle_endtag(self, tag: str) -> None:
         if tag == "td" and self._row is not None and self._cell is not None:
@@ -104,13 +104,13 @@ async def test_ops_page_in_chromium_shows_the_database_figures(
         pool, held, on_hand = conn.execute(
             "SELECT (SELECT count(*) FROM stock_unit), (SELECT sum(quantity) FROM"
             " reservation_line WHERE held), (SELECT on_hand FROM stock_bucket)").fetchone()  # type: ignore[misc]
-        states = dict(conn.execute("SELECT status, count(*) FROM reservation GROUP BY 1")
+        states: dict[str, int] = dict(conn.execute("SELECT status, count(*) FROM reservation GROUP BY 1")
                       .fetchall())
     with Served(dsn) as srv:
         url = f"http://127.0.0.1:{srv.port}/ops"
         deadline = time.monotonic() + 30
         while True:  # the server's own sampler has taken a sample
-            doc = httpx.get(f"{url}.json").json()
+            doc = (await asyncio.to_thread(httpx.get, f"{url}.json")).json()
             if doc["hold_time"]["samples"] > 0 or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.2)

@@ -17,7 +17,7 @@ def bouncer_stats(bouncer: PgBouncer, database: str) -> dict[str, int]:
         cur = conn.execute("SHOW STATS")
         cols = [c.name for c in cur.description or []]
         for row in cur.fetchall():
-            doc = dict(zip(cols, row))
+            doc = dict(zip(cols, row, strict=True))
             if doc["database"] == database:
                 return {k: int(v) for k, v in doc.items() if k != "database"}
     return {}
@@ -27,7 +27,7 @@ async def test_api_transactions_go_through_pgbouncer(api: ApiTenant, dsn: str, v
                                                      pgbouncer: PgBouncer) -> None:
     """With via=pgbouncer every API transaction is counted by PgBouncer (transaction
     pooling, prepared statements off); with via=direct none is."""
-    name = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
+    name = str(psycopg.conninfo.conninfo_to_dict(dsn)["dbname"])
     before = bouncer_stats(pgbouncer, name).get("total_xact_count", 0)
     for i in range(5):
         resp = await api.client.put(f"/v1/stock/wh/s{i}", json={"on_hand": 3})
@@ -51,7 +51,7 @@ async def test_role_pools_keep_their_application_name_through_pgbouncer(
     its application_name (a startup parameter PgBouncer applies per client)."""
     from pgreserve import Database, ReservationService
 
-    name = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
+    name = str(psycopg.conninfo.conninfo_to_dict(dsn)["dbname"])
     async with Database(pgbouncer.dsn(name), role_pools=True, prepare_threshold=None) as db:
         svc = ReservationService(db)
         tenant = await svc.create_tenant("acme")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
@@ -51,9 +51,9 @@ async def counts(dsn: str) -> tuple[int, int, int]:
 
 
 @pytest.mark.parametrize("batching", [True, False], ids=["batched", "unbatched"])
-@pytest.mark.parametrize("stage,ends", [("before_insert", "commit"),
-                                        ("before_commit", "commit"),
-                                        ("before_commit", "rollback")])
+@pytest.mark.parametrize(("stage", "ends"), [("before_insert", "commit"),
+                                             ("before_commit", "commit"),
+                                             ("before_commit", "rollback")])
 async def test_same_key_collision_at_each_stage(
         dsn: str, db: Database, tenant: Tenant, strategy: str,
         stage: str, ends: str, batching: bool) -> None:
@@ -166,7 +166,7 @@ async def test_paused_claim_or_release_against_the_other(
     rid = uuid.UUID(out.reservation.id)
     second_op = service.claim if first_op == "release" else service.release
     with psycopg.connect(dsn) as first:
-        first.execute(f"SELECT {first_op}_v1(%s, %s)", (tenant.id, rid))  # type: ignore[arg-type]
+        first.execute(f"SELECT {first_op}_v1(%s, %s)", (tenant.id, rid))
         second = asyncio.create_task(second_op(tenant.id, rid))
         await wait_until_blocked(dsn)
         first.commit() if first_ends == "commit" else first.rollback()
@@ -196,7 +196,7 @@ class Later:
     """The database clock an hour ahead: every hold made now is due."""
 
     def __call__(self) -> datetime:
-        return datetime.now(timezone.utc) + timedelta(hours=1)
+        return datetime.now(UTC) + timedelta(hours=1)
 
 
 async def test_paused_sweeper_against_release(

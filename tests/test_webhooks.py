@@ -103,7 +103,7 @@ async def workers(*services: ReservationService,
 async def until(check: Callable[[], object], timeout_s: float = 30.0) -> None:
     """Poll `check` until it is truthy or the deadline passes (the caller asserts after)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not check():
+    while time.monotonic() < deadline and not check():  # noqa: ASYNC110 - no event to await
         await asyncio.sleep(0.02)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Iterable
@@ -97,6 +98,9 @@ def cart(lines: Iterable[Any]) -> list[Line]:
     if isinstance(lines, (str, bytes)) or not isinstance(lines, Iterable):
         raise InvalidRequest("lines must be a list", field="lines")
     parsed: list[Line] = []
+    sku: Any
+    loc: Any
+    qty: Any
     for i, raw in enumerate(lines):
         if isinstance(raw, Line):
             sku, loc, qty = raw.sku, raw.location, raw.quantity
@@ -115,7 +119,7 @@ def cart(lines: Iterable[Any]) -> list[Line]:
     if not parsed:
         raise InvalidRequest("a cart needs at least one line", field="lines")
     parsed.sort(key=lambda line: (line.sku, line.location))
-    for a, b in zip(parsed, parsed[1:]):
+    for a, b in itertools.pairwise(parsed):
         if (a.sku, a.location) == (b.sku, b.location):
             raise InvalidRequest(
                 f"two lines for the same stock ({a.sku!r} at {a.location!r}); merge them",

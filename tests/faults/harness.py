@@ -16,6 +16,7 @@ the database (see ``final_audit``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import shutil
@@ -24,10 +25,12 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, LiteralString, TypeVar
 
 import psycopg
+from psycopg import sql
 
 from pgreserve import Database, ReservationService, Status, TxSettings
 from pgreserve.db import migrate as migrations
@@ -157,20 +160,16 @@ class FaultServer:
     def install(self) -> None:
         migrations.migrate(self.dsn)
         with psycopg.connect(self.dsn, autocommit=True) as conn:
-            conn.execute(FAULT_SQL)  # type: ignore[arg-type]
+            conn.execute(FAULT_SQL)
 
     def crash(self) -> None:
         self.server.stop_now("immediate")
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # already down
             self.server.stop_now("immediate")
-        except Exception:  # already down
-            pass
-        try:
+        with contextlib.suppress(Exception):
             self.server.stop()
-        except Exception:
-            pass
         shutil.rmtree(self.root, ignore_errors=True)
 
 
@@ -260,8 +259,9 @@ class FaultRun:
                 delta = rng.randint(1, 6)
                 key = f"c{c}-restock-{i}"
                 rec = Record(c, "restock", key, (sku, loc, delta))
-                if await self.attempt(rec, lambda: service.adjust_stock(
-                        self.tenant, key, sku, loc, delta, reason="restock")) is not None:
+                if await self.attempt(rec, partial(
+                        service.adjust_stock, self.tenant, key, sku, loc, delta,
+                        reason="restock")) is not None:
                     rec.outcome = "ok"
                 continue
             n_lines = 1 if rng.random() < 0.8 else 2
@@ -274,7 +274,7 @@ class FaultRun:
             key = f"c{c}-r{i}"
             rec = Record(c, "reserve", key, (tuple(cart), ttl))
             out = await self.attempt(
-                rec, lambda: service.reserve(self.tenant, key, cart, ttl=ttl))
+                rec, partial(service.reserve, self.tenant, key, cart, ttl=ttl))
             if out is None:
                 continue
             rec.outcome = "held" if out.held else "rejected"
@@ -285,15 +285,15 @@ class FaultRun:
             if rng.random() < 0.05:  # a client retry of the same request
                 again = Record(c, "reserve", key, (tuple(cart), ttl))
                 dup = await self.attempt(
-                    again, lambda: service.reserve(self.tenant, key, cart, ttl=ttl))
+                    again, partial(service.reserve, self.tenant, key, cart, ttl=ttl))
                 if dup is not None:
                     again.outcome = "held" if dup.held else "rejected"
                     again.reservation_id = dup.reservation.id if dup.reservation else None
             roll = rng.random()
             if roll < 0.1:
                 ext = Record(c, "extend", key, rid)
-                if await self.attempt(ext, lambda: service.extend(
-                        self.tenant, rid, 30)) is not None:
+                if await self.attempt(ext, partial(
+                        service.extend, self.tenant, rid, 30)) is not None:
                     ext.outcome = "ok"
                 roll = rng.random()
             if roll < 0.45:
@@ -304,17 +304,16 @@ class FaultRun:
                 continue  # left to expire (or to live on)
             act = Record(c, kind, key, rid, reservation_id=rid)
             fn = service.claim if kind == "claim" else service.release
-            if await self.attempt(act, lambda: fn(self.tenant, rid)) is not None:
+            if await self.attempt(act, partial(fn, self.tenant, rid)) is not None:
                 act.outcome = "ok"
 
     async def sweeper(self, deadline: float) -> None:
         for _ in range(MAX_OPS_PER_CLIENT):
             if time.monotonic() > deadline or self.stop.is_set():
                 return
-            try:
+            # idempotent by state; the next round does it
+            with contextlib.suppress(PgReserveError, psycopg.Error):
                 await self.service.expire_due(100)
-            except (PgReserveError, psycopg.Error):
-                pass  # idempotent by state; the next round does it
             await asyncio.sleep(0.3)
 
     # -- faults --------------------------------------------------------------------
@@ -323,19 +322,20 @@ class FaultRun:
         return await until_up(lambda: psycopg.AsyncConnection.connect(
             self.fs.dsn, autocommit=True, application_name="pgreserve:injector"))
 
-    async def terminate(self, where: str, limit: int) -> int:
+    async def terminate(self, where: LiteralString, limit: int) -> int:
         async with await self.admin() as conn:
-            cur = await conn.execute(
+            cur = await conn.execute(sql.SQL(
                 "SELECT pg_terminate_backend(pid) FROM ("
                 " SELECT pid FROM pg_stat_activity"
-                f" WHERE application_name = %s AND pid <> pg_backend_pid() AND {where}"
-                " ORDER BY random() LIMIT %s) s", (APP, limit))
+                " WHERE application_name = %s AND pid <> pg_backend_pid() AND {}"
+                " ORDER BY random() LIMIT %s) s").format(sql.SQL(where)), (APP, limit))
             return sum(1 for (ok,) in await cur.fetchall() if ok)
 
     async def control(self, **values: float) -> None:
         async with await self.admin() as conn:
-            sets = ", ".join(f"{k} = %s" for k in values)
-            await conn.execute(f"UPDATE fault_control SET {sets} WHERE id = 1",  # type: ignore[arg-type]
+            sets = sql.SQL(", ").join(
+                sql.SQL("{} = %s").format(sql.Identifier(k)) for k in values)
+            await conn.execute(sql.SQL("UPDATE fault_control SET {} WHERE id = 1").format(sets),
                                tuple(values.values()))
 
     async def fault_terminate_mid(self, rng: random.Random) -> None:
@@ -378,13 +378,12 @@ class FaultRun:
 
     async def fault_lock_hang(self, rng: random.Random) -> None:
         """A session holds hot bucket rows locked in an open transaction: lock_timeout fires."""
-        async with await self.admin() as conn:
-            async with conn.transaction():
-                skus = rng.sample([h[0] for h in HOT], 2)
-                await conn.execute(
-                    "SELECT 1 FROM stock_bucket WHERE tenant_id = %s AND sku = ANY(%s)"
-                    " ORDER BY sku, location FOR UPDATE", (self.tenant, skus))
-                await asyncio.sleep(1.0)
+        async with await self.admin() as conn, conn.transaction():
+            skus = rng.sample([h[0] for h in HOT], 2)
+            await conn.execute(
+                "SELECT 1 FROM stock_bucket WHERE tenant_id = %s AND sku = ANY(%s)"
+                " ORDER BY sku, location FOR UPDATE", (self.tenant, skus))
+            await asyncio.sleep(1.0)
         self.report.faults["bucket lock held past lock_timeout"] += 1
 
     async def fault_statement_hang(self, rng: random.Random) -> None:
@@ -422,18 +421,19 @@ class FaultRun:
                 continue
             if rec.kind == "reserve":
                 cart, ttl = rec.params
-                out = await until_up(lambda: self.service.reserve(
-                    self.tenant, rec.key, list(cart), ttl=ttl))
+                out = await until_up(partial(
+                    self.service.reserve, self.tenant, rec.key, list(cart), ttl=ttl))
                 rec.resolved = "held" if out.held else "rejected"
                 rec.reservation_id = out.reservation.id if out.reservation else None
             elif rec.kind == "restock":
                 sku, loc, delta = rec.params
-                await until_up(lambda: self.service.adjust_stock(
-                    self.tenant, rec.key, sku, loc, delta, reason="restock"))
+                await until_up(partial(
+                    self.service.adjust_stock, self.tenant, rec.key, sku, loc, delta,
+                    reason="restock"))
                 rec.resolved = "ok"
             else:
-                res = await until_up(lambda: self.service.get_reservation(
-                    self.tenant, rec.params))
+                res = await until_up(partial(
+                    self.service.get_reservation, self.tenant, rec.params))
                 rec.resolved = res.status.value
             if rec.outcome == "unknown":
                 self.report.unknown_resolved += 1
@@ -574,7 +574,7 @@ async def audit(dsn: str) -> list[str]:
         }
         async with conn.transaction():
             for name, sql in queries.items():
-                cur = await conn.execute(sql)  # type: ignore[arg-type]
+                cur = await conn.execute(sql)
                 found += [f"{name}: {row[0]}" for row in await cur.fetchall()]
         return found
 

@@ -45,7 +45,7 @@ async def test_no_oversell_no_lost_hold_under_faults(fault_server: FaultServer) 
     text = "\n".join(report.lines())
     print("\n" + text)
     if os.environ.get("PGRESERVE_SOAK_REPORT"):
-        with open(os.environ["PGRESERVE_SOAK_REPORT"], "w") as fh:
+        with open(os.environ["PGRESERVE_SOAK_REPORT"], "w") as fh:  # noqa: ASYNC230 - after the load
             fh.write(text + "\n")
     assert sum(report.faults.values()) > 0, text
     assert report.operations > 0, text

@@ -91,7 +91,6 @@ from pgreserve.errors import (
     WouldOversell,
 )
 from pgreserve.workers.sweeper import Sweeper
-
 from timeline import INF, AdminChange, HoldSpan, Sale, Timeline
 
 # fsync may stay off (an immediate stop keeps the OS page cache), but
@@ -217,7 +216,7 @@ class RaceServer:
     def close(self) -> None:
         try:
             self.server.stop()
-        except Exception:  # not stoppable the gentle way: stop it now
+        except Exception:  # noqa: BLE001 - not stoppable the gentle way: stop it now
             self.server.stop_now("immediate")
         shutil.rmtree(self.root, ignore_errors=True)
 
@@ -760,7 +759,7 @@ class RaceRun:
                 self.report.rejections_judged += 1
                 least = [lines[sku].surely_available_throughout(rec.start, rec.end, q)
                          for sku, q in rec.cart]
-                if all(lo >= q for lo, (_, q) in zip(least, rec.cart)):
+                if all(lo >= q for lo, (_, q) in zip(least, rec.cart, strict=True)):
                     if os.environ.get("PGRESERVE_RACE_DUMP"):
                         self.dump_rejection(rec, lines)
                     self.violation("false_rejection", (
@@ -962,7 +961,7 @@ class RaceRun:
                 for _ in range(2):  # asked twice, told no twice (the steps)
                     rec = Attempt("reserve", key=key, cart=(("soldout", 2),), ttl=30)
                     out = await self.send(rec, lambda: burst.reserve(
-                        self.tenant, key, [("soldout", LOC, 2)], ttl=30))
+                        self.tenant, key, [("soldout", LOC, 2)], ttl=30))  # noqa: B023 - awaited here
                     if out is None:
                         return
                     self.note_reserve(rec, out)

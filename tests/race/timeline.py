@@ -69,7 +69,7 @@ class Timeline:
 
     def build(self) -> None:
         self.admin.sort(key=lambda a: a.start)
-        for before, after in zip(self.admin, self.admin[1:]):
+        for before, after in zip(self.admin, self.admin[1:], strict=False):
             assert before.end <= after.start, "one admin task per bucket: changes never overlap"
         self._a_start = [a.start for a in self.admin]
         self._a_adjust = _prefix([0 if a.absolute else a.value for a in self.admin])

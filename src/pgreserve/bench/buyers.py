@@ -7,6 +7,7 @@ it in several processes, runner.py seeds, sweeps and checks the books around it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from datetime import timedelta
@@ -39,14 +40,10 @@ Progress = Callable[[str, int], None]
 async def sweep_until(admin: ReservationService, stop: asyncio.Event) -> None:
     """Expire due holds every SWEEP_EVERY_S, as the sweeper worker would, until `stop`."""
     while not stop.is_set():
-        try:
+        with contextlib.suppress(PgReserveError):
             await admin.expire_due()
-        except PgReserveError:
-            pass
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), SWEEP_EVERY_S)
-        except TimeoutError:
-            pass
 
 
 async def drive(buyer: Buyer, admin: ReservationService | None, tenant: int,
@@ -87,10 +84,7 @@ async def drive(buyer: Buyer, admin: ReservationService | None, tenant: int,
                 result.error_kinds[type(exc).__name__] += 1
             else:
                 ended = time.perf_counter()
-                if out.replayed:
-                    outcome = REPLAYED
-                else:
-                    outcome = HELD if out.held else REJECTED
+                outcome = REPLAYED if out.replayed else HELD if out.held else REJECTED
                 units = sum(q for _, _, q in lines) if outcome == HELD else 0
                 samples.append(Sample(req.seq, began - t0, ended - t0, outcome, units))
                 if outcome == HELD and out.reservation is not None:

@@ -164,11 +164,11 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
         elif target == "http" and processes != 1:
             raise click.BadParameter("--target http runs its buyers in one process",
                                      param_hint="--processes")
-        common: dict[str, Any] = dict(
-            buyers=buyers, processes=processes, claim=claim, release=release, expire=expire,
-            expire_ttl_s=expire_ttl,
-            pool_cap=pool_cap, replenish=replenish, durable=durable, seed=seed, window=window,
-            strategies=strategies)
+        common: dict[str, Any] = {
+            "buyers": buyers, "processes": processes, "claim": claim, "release": release,
+            "expire": expire, "expire_ttl_s": expire_ttl, "pool_cap": pool_cap,
+            "replenish": replenish, "durable": durable, "seed": seed, "window": window,
+            "strategies": strategies}
         try:
             if takes is not None:
                 if strategy == "all":

@@ -15,6 +15,7 @@ perf_counter is the system-wide monotonic clock, so their samples merge.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import queue
 import time
@@ -45,7 +46,7 @@ def _child(number: int, dsn: str, scenario: Scenario, strategy: str, tenant: int
     try:
         asyncio.run(_child_run(number, dsn, scenario, strategy, tenant, buyers, requests,
                                application_name, go, zero, done, out))
-    except BaseException as exc:  # report it: the parent must not wait for this process
+    except BaseException as exc:  # noqa: BLE001 - report it: the parent must not wait for this process
         out.put(("error", number, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
@@ -132,7 +133,8 @@ async def _next(loop: asyncio.AbstractEventLoop, out: Any, procs: list[Any],
         except queue.Empty:
             dead = [p for p in procs if p.exitcode not in (None, 0)]
             if dead:
-                raise RuntimeError(f"a buyer process exited with code {dead[0].exitcode}")
+                raise RuntimeError(
+                    f"a buyer process exited with code {dead[0].exitcode}") from None
             if deadline is not None and time.monotonic() > deadline:
                 raise RuntimeError("buyer processes did not get ready in time") from None
 
@@ -146,10 +148,8 @@ async def _report(progress: Any, strategy: str, done: Any, stop: asyncio.Event) 
             shown = now
         if stop.is_set():
             return
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.1)
-        except TimeoutError:
-            pass
 
 
 def _merge(strategy: str, scenario: Scenario, parts: list[RunResult]) -> RunResult:

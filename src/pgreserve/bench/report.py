@@ -79,8 +79,8 @@ def render(console: Console, scenario: Scenario, runs: list[RunResult]) -> None:
         table.add_row("deadlocks / commits / rollbacks",
                       f"{db.get('deadlocks', 'n/a')} / {db.get('xact_commit', 'n/a')} / "
                       f"{db.get('xact_rollback', 'n/a')}",
-                      f"pg_stat_database delta; client retried {db.get('client_deadlocks_retried', 0)}"
-                      " deadlocks")
+                      "pg_stat_database delta; client retried "
+                      f"{db.get('client_deadlocks_retried', 0)} deadlocks")
         book = run.ledger
         if book is not None:
             table.add_row("sold + held + available", f"{run.claimed_units:,} + {book.held:,} + "

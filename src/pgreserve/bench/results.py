@@ -153,10 +153,11 @@ class RunResult:
                 hist.record_value(_us(s))
         return hist
 
-    def latency_ms(self, outcomes: tuple[str, ...] = (HELD, REJECTED, REPLAYED)) -> dict[str, float]:
+    def latency_ms(
+            self, outcomes: tuple[str, ...] = (HELD, REJECTED, REPLAYED)) -> dict[str, float]:
         hist = self.histogram(outcomes)
         if hist.get_total_count() == 0:
-            return {**{k: 0.0 for k in PERCENTILES}, "max": 0.0}
+            return {**dict.fromkeys(PERCENTILES, 0.0), "max": 0.0}
         doc = {k: hist.get_value_at_percentile(p) / 1000.0 for k, p in PERCENTILES.items()}
         doc["max"] = hist.get_max_value() / 1000.0
         return doc

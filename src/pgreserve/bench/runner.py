@@ -10,7 +10,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -51,7 +51,7 @@ def with_commit_mode(dsn: str, durable: bool) -> str:
     options = str(params.get("options") or "")
     mode = "on" if durable else "off"
     params["options"] = f"{options} -c synchronous_commit={mode}".strip()
-    return make_conninfo(**{k: v for k, v in params.items() if v is not None})
+    return make_conninfo("", **{k: v for k, v in params.items() if v is not None})
 
 
 async def run_scenario(dsn: str, scenario: Scenario, *, progress: Progress | None = None,
@@ -127,7 +127,7 @@ async def run_strategy(dsn: str, scenario: Scenario, strategy: str, *,
             result.client_stats = {f"client_{k}": v
                                    for k, v in asdict(buyers_db.stats).items()}
         else:
-            assert api_key is not None
+            assert api_key is not None  # noqa: S101 - both http branches above set it
             try:
                 async with _api(dsn, http, scenario.buyers) as url, \
                         client_session(scenario.buyers) as session:
@@ -236,10 +236,8 @@ async def _watch_dead_tuples(dsn: str, stop: asyncio.Event, every_s: float = 0.5
             cur = await conn.execute(queries["pool_partition_dead_tuples"])
             row = await cur.fetchone()
             peak = max(peak, int(row[0]) if row else 0)
-            try:
+            with suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), every_s)
-            except TimeoutError:
-                pass
     return peak
 
 

@@ -76,7 +76,7 @@ class Scenario:
 
     @classmethod
     def long_run(cls, takes: int, **overrides: Any) -> Scenario:
-        """The latency-climb run: `takes` single-unit holds on one pool bucket that never sells out."""
+        """The latency-climb run: `takes` single-unit holds on one never-sold-out pool bucket."""
         base: dict[str, Any] = {"units": takes, "requests": takes, "quantity": 1, "skus": 1,
                                 "hot_share": 1.0, "retry_rate": 0.0, "strategies": ("pool",)}
         base.update(overrides)
@@ -111,7 +111,7 @@ class PlannedRequest:
 
 def plan(scenario: Scenario) -> list[PlannedRequest]:
     """The requests of a run, the same for every strategy and every run with the same seed."""
-    rng = random.Random(scenario.seed)
+    rng = random.Random(scenario.seed)  # noqa: S311 - a plan replayable by its seed, no secret
     fates: list[Fate] = ["claim", "release", "expire", "keep"]
     weights = [scenario.claim, scenario.release, scenario.expire,
                max(0.0, 1.0 - scenario.claim - scenario.release - scenario.expire)]

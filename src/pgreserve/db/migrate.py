@@ -103,38 +103,37 @@ def migrate_all(conninfo: str, *, target: int | None = None) -> Applied:
     if target is not None:
         files = [m for m in files if m.version <= target]
     done = Applied()
-    with psycopg.connect(conninfo, autocommit=True) as conn:
-        with conn.transaction():
-            conn.execute(queries["schema_lock"], (_LOCK_KEY,))
-            conn.execute(queries["schema_migration_table_create"])
-            conn.execute(queries["schema_function_file_table_create"])
-            applied = {
-                int(row[0]): (str(row[1]), str(row[2]))
-                for row in conn.execute(queries["schema_migration_list"]).fetchall()
-            }
-            _check_applied(applied, {m.version: m for m in available()})
-            for migration in files:
-                if migration.version in applied:
-                    continue
-                conn.execute(migration.sql.encode())
-                conn.execute(queries["schema_migration_record"],
-                             (migration.version, migration.name, migration.checksum))
-                done.migrations.append(migration)
-            recorded = {
-                str(row[0]): str(row[1])
-                for row in conn.execute(queries["schema_function_file_list"]).fetchall()
-            }
-            for function_file in function_files():
-                if recorded.get(function_file.name) == function_file.checksum:
-                    continue
-                try:
-                    conn.execute(function_file.sql.encode())
-                except psycopg.errors.Error as exc:
-                    raise MigrationError(
-                        f"functions/{function_file.name}.sql failed: {exc}") from exc
-                conn.execute(queries["schema_function_file_record"],
-                             (function_file.name, function_file.checksum))
-                done.functions.append(function_file)
+    with psycopg.connect(conninfo, autocommit=True) as conn, conn.transaction():
+        conn.execute(queries["schema_lock"], (_LOCK_KEY,))
+        conn.execute(queries["schema_migration_table_create"])
+        conn.execute(queries["schema_function_file_table_create"])
+        applied = {
+            int(row[0]): (str(row[1]), str(row[2]))
+            for row in conn.execute(queries["schema_migration_list"]).fetchall()
+        }
+        _check_applied(applied, {m.version: m for m in available()})
+        for migration in files:
+            if migration.version in applied:
+                continue
+            conn.execute(migration.sql.encode())
+            conn.execute(queries["schema_migration_record"],
+                         (migration.version, migration.name, migration.checksum))
+            done.migrations.append(migration)
+        recorded = {
+            str(row[0]): str(row[1])
+            for row in conn.execute(queries["schema_function_file_list"]).fetchall()
+        }
+        for function_file in function_files():
+            if recorded.get(function_file.name) == function_file.checksum:
+                continue
+            try:
+                conn.execute(function_file.sql.encode())
+            except psycopg.errors.Error as exc:
+                raise MigrationError(
+                    f"functions/{function_file.name}.sql failed: {exc}") from exc
+            conn.execute(queries["schema_function_file_record"],
+                         (function_file.name, function_file.checksum))
+            done.functions.append(function_file)
     return done
 
 

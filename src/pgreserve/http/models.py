@@ -36,16 +36,17 @@ def integer(value: Any) -> int:
     return value
 
 
-def Int(low: int, high: int) -> Any:
-    """An integer in [low, high]; bool is an int in Python, the validator keeps it out."""
-    return Annotated[int, Field(ge=low, le=high), BeforeValidator(integer)]
+# Integers in [ge, le]; bool is an int in Python, the validator keeps it out.
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT), BeforeValidator(integer)]
+Delta = Annotated[int, Field(ge=-MAX_COUNT, le=MAX_COUNT), BeforeValidator(integer)]
+Quantity = Annotated[int, Field(ge=1, le=MAX_QUANTITY), BeforeValidator(integer)]
+TtlSeconds = Annotated[int, Field(ge=1, le=MAX_TTL_SECONDS), BeforeValidator(integer)]
 # The pattern puts "no NUL" into the published schema too (PostgreSQL text
 # cannot hold it); storable() also refuses lone surrogates.
 Name = Annotated[StrictStr, Field(min_length=1, max_length=MAX_NAME, pattern=r"^[^\x00]+$"),
                  AfterValidator(storable)]
 Reason = Annotated[StrictStr, Field(max_length=MAX_NAME, pattern=r"^[^\x00]*$"),
                    AfterValidator(storable)]
-TtlSeconds = Int(1, MAX_TTL_SECONDS)
 
 
 class Strict(BaseModel):
@@ -55,19 +56,19 @@ class Strict(BaseModel):
 # -- requests --------------------------------------------------------------------
 
 class StockSet(Strict):
-    on_hand: Int(0, MAX_COUNT)
+    on_hand: Count
     strategy: Literal["row", "pool"] | None = None
 
 
 class StockAdjust(Strict):
-    delta: Int(-MAX_COUNT, MAX_COUNT)
+    delta: Delta
     reason: Reason = ""
 
 
 class LineIn(Strict):
     sku: Name
     location: Name
-    quantity: Int(1, MAX_QUANTITY)
+    quantity: Quantity
 
 
 class ReserveIn(Strict):

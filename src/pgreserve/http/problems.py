@@ -87,7 +87,7 @@ STATUS: dict[type[errors.PgReserveError], tuple[int, str]] = {
 def status_of(exc: errors.PgReserveError) -> tuple[int, str]:
     for cls in type(exc).__mro__:
         if cls in STATUS:
-            return STATUS[cls]  # type: ignore[index]
+            return STATUS[cls]
     return 500, "Internal server error"
 
 

@@ -7,7 +7,7 @@ would have set) and the fix. Status: ok, warn, fail; any fail is exit code 1.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, LiteralString
 
 import psycopg
 from psycopg import sql
@@ -50,8 +50,20 @@ def diagnose(dsn: str, *, pool_size: int = 10, processes: int = 1,
             row = conn.execute(queries["setting_get"], (name,)).fetchone()
             return (str(row[0]), row[1]) if row else None
 
+        def required(name: str) -> str:
+            v = setting(name)
+            if v is None:
+                raise RuntimeError(f"the server has no setting {name}")
+            return v[0]
+
+        def scalar(query: LiteralString) -> Any:
+            row = conn.execute(query).fetchone()
+            if row is None:
+                raise RuntimeError(f"no row from {query!r}")
+            return row[0]
+
         # What a new session of this role gets: system, database and role settings.
-        role = str(conn.execute(queries["role_current"]).fetchone()[0])  # type: ignore[index]
+        role = str(scalar(queries["role_current"]))
 
         v = setting("idle_in_transaction_session_timeout")
         ms = _ms(*v) if v else 0.0
@@ -141,10 +153,12 @@ def diagnose(dsn: str, *, pool_size: int = 10, processes: int = 1,
             v[0] if v else "?", "pl",
             _fix(queries["track_functions_fix"], "counts inline vs background pool refills")))
 
-        max_conn = int(setting("max_connections")[0])  # type: ignore[index]
-        reserved = sum(int(setting(x)[0]) for x in  # type: ignore[index]
-                       ("superuser_reserved_connections", "reserved_connections")
-                       if setting(x) is not None)
+        max_conn = int(required("max_connections"))
+        reserved = 0
+        for name in ("superuser_reserved_connections", "reserved_connections"):
+            v = setting(name)
+            if v is not None:
+                reserved += int(v[0])
         need = processes * len(API_ROLES) * pool_size + extra_connections
         usable = max_conn - reserved
         out.append(Finding(
@@ -158,8 +172,8 @@ def diagnose(dsn: str, *, pool_size: int = 10, processes: int = 1,
             + ";  -- restart; or lower PGRESERVE_POOL_SIZE, or put PgBouncer in front "
             "(docs/operations.md)"))
 
-        age = int(conn.execute(queries["database_xid_age"]).fetchone()[0])  # type: ignore[index]
-        freeze = int(setting("autovacuum_freeze_max_age")[0])  # type: ignore[index]
+        age = int(scalar(queries["database_xid_age"]))
+        freeze = int(required("autovacuum_freeze_max_age"))
         out.append(Finding(
             "xid age", "fail" if age > 1_000_000_000 else "warn" if age > freeze else "ok",
             f"age(datfrozenxid)={age}", f"below autovacuum_freeze_max_age ({freeze})",

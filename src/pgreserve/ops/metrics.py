@@ -11,11 +11,17 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Mapping
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import multiprocess
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -131,7 +137,7 @@ class OpsMetrics:
 
     def error(self, text: str) -> None:
         self.recent_errors.appendleft(
-            {"at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "error": text})
+            {"at": datetime.now(UTC).isoformat(timespec="seconds"), "error": text})
 
     def hold_time(self, report: Any, backends: Mapping[tuple[str, str], int],
                   elapsed: float) -> None:

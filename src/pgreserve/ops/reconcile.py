@@ -105,7 +105,7 @@ def _check(dsn: str, tenant: int | None, grace_s: float) -> Reconciliation:
         if b.strategy == "row" and b.pool > 0:
             out.drifts.append(Drift("pool_on_row_bucket", b.tenant_id, where,
                                     f"{b.pool} pool units on a row-strategy bucket"))
-    for t, rid, line, bucket, qty, no_res, no_bucket in orphans:
+    for t, rid, line, bucket, qty, no_res, _no_bucket in orphans:
         what = "no reservation row" if no_res else "no stock bucket"
         out.drifts.append(Drift("orphan_hold", int(t), names.get((int(t), int(bucket))),
                                 f"line {line} of reservation {rid} holds {qty} unit(s) of "
@@ -128,8 +128,8 @@ def _repair(dsn: str, found: Reconciliation) -> list[str]:
     with psycopg.connect(dsn, autocommit=True, application_name="pgreserve:reconcile") as conn:
         total = 0
         for _ in range(max(1, overdue // 500 + 2)):  # bounded: one batch more than needed
-            n = int(conn.execute(  # type: ignore[index]
-                tagged(queries["reservation_expire_overdue"], REPAIR)).fetchone()[0])
+            row = conn.execute(tagged(queries["reservation_expire_overdue"], REPAIR)).fetchone()
+            n = int(row[0]) if row else 0
             total += n
             if n < 500:
                 break

@@ -44,7 +44,7 @@ async def refresh_metrics(app: Any, service: ReservationService, ops: OpsMetrics
     ops.pool_stats(service.db.pool_stats())
     try:
         ops.figures(await read_figures(service.db))
-    except Exception as exc:  # a scrape still answers with what it has
+    except Exception as exc:  # noqa: BLE001 - a scrape still answers with what it has
         log.warning("figures unavailable: %s", exc)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Protocol
@@ -37,7 +38,5 @@ async def run_forever(worker: Worker, stop: asyncio.Event) -> None:
             log.exception("%s: round failed", worker.name)
             done = 0
         if done == 0:
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=worker.loop_config.interval_s)
-            except TimeoutError:
-                pass

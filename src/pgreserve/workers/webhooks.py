@@ -144,7 +144,7 @@ class WebhookDeliverer:
         for claim in claims:
             try:
                 await self._release(claim, 0.0)
-            except Exception:
+            except Exception:  # noqa: BLE001 - shutdown goes on; an unreturned lease expires
                 log.warning("webhooks: could not hand back the lease of endpoint %s",
                             claim.endpoint)
         if self._session is not None:
