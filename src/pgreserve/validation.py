@@ -130,7 +130,10 @@ def cart(lines: Iterable[Any]) -> list[Line]:
 
 MAX_URL = 2000
 _PORT = r"(6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[0-9]{1,4})"
-_NOSPACE = r"\x00-\x20\x7f\s"
+# No control or space characters, written out: Python's \s and JSON Schema's
+# (ECMA-262) differ (U+0085 is one to Python only), and both must agree.
+_NOSPACE = (r"\x00-\x20\x7f-\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f"
+            r"\u3000\ufeff")
 # http(s)://[userinfo@]host[:port][/path?query#fragment], no spaces or control characters.
 # The OpenAPI schema publishes the same pattern.
 URL_PATTERN = (rf"^[Hh][Tt][Tt][Pp][Ss]?://([^{_NOSPACE}/?#@\[\]]+@)?"

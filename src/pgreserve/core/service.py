@@ -15,12 +15,12 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
-from typing import Any, LiteralString, Protocol, cast
 from time import perf_counter
-from typing import Any, LiteralString, Protocol
+from typing import Any, LiteralString, Protocol, cast
 
 import psycopg
 
+from .. import apikeys
 from .. import validation as check
 from ..db import literals as lit
 from ..db.database import Database, Op, typed_error
@@ -40,7 +40,6 @@ from ..domain import (
     Webhook,
 )
 from ..errors import InvalidRequest, ReservationNotFound, UnknownStock, WebhookNotFound
-from .. import apikeys
 from .batching import BatchConfig, BatchRequest, Combiner
 
 Clock = Callable[[], datetime | None]
@@ -462,12 +461,14 @@ class ReservationService:
     async def _reserve_batched(self, tenant: int, key: str, fingerprint: str, line: Line,
                                life: timedelta, started: float) -> ReserveOutcome | None:
         """A one-line reserve through its bucket's combiner; None: send it unbatched."""
-        assert self.combiner is not None
+        combiner = self.combiner
+        if combiner is None:
+            return None
         bucket = await self._bucket_id(tenant, line.sku, line.location)
         if bucket is None:
             return None  # the unbatched call says what is unknown
         try:
-            doc = _batch_answer(await self.combiner.submit(tenant, bucket, BatchRequest(
+            doc = _batch_answer(await combiner.submit(tenant, bucket, BatchRequest(
                 "reserve", key=key, digest=fingerprint, quantity=line.quantity, ttl=life)))
         except Exception as exc:
             self._observe("reserve", _failure(exc), started)
@@ -486,7 +487,9 @@ class ReservationService:
                                   request_key: str | None) -> Reservation | None:
         """A claim or release of a one-line reservation through its bucket's combiner;
         None: send it unbatched."""
-        assert self.combiner is not None
+        combiner = self.combiner
+        if combiner is None:
+            return None
         tenant = check.tenant_id(tenant)
         rid = _reservation_id(reservation_id)
         key = check.request_key(request_key) if request_key is not None else None
@@ -495,7 +498,7 @@ class ReservationService:
             return None
         started = perf_counter()
         try:
-            doc = _batch_answer(await self.combiner.submit(tenant, bucket, BatchRequest(
+            doc = _batch_answer(await combiner.submit(tenant, bucket, BatchRequest(
                 action, key=key,
                 digest=digest(action, {"id": str(rid)}) if key is not None else None,
                 reservation_id=rid)))

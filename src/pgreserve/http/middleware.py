@@ -28,10 +28,9 @@ class BodyLimit:
             return
         too_large = problems.PayloadTooLarge(f"the request body exceeds {self.limit} bytes")
         for name, value in scope.get("headers", []):
-            if name == b"content-length":
-                if not value.isdigit() or int(value) > self.limit:
-                    await problems.problem_response(too_large)(scope, receive, send)
-                    return
+            if name == b"content-length" and (not value.isdigit() or int(value) > self.limit):
+                await problems.problem_response(too_large)(scope, receive, send)
+                return
         # Buffer the body (at most `limit` bytes), then hand it on.
         chunks: list[bytes] = []
         size = 0
