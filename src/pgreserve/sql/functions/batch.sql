@@ -155,8 +155,8 @@ BEGIN
                AND NOT v_looked THEN
                 v_looked := true;
                 SELECT * INTO v_units, v_free, v_others
-                FROM bucket_batch_look_v1(p_tenant, p_bucket, b.strategy, v_now, i,
-                                          p_kinds, p_quantities, v_units, v_free, r_ids);
+                FROM bucket_batch_look_v1(p_tenant, p_bucket, b.strategy, b.pool_cap, v_now,
+                                          i, p_kinds, p_quantities, v_units, v_free, r_ids);
                 SELECT shortfall INTO v_shortfall FROM stock_bucket
                 WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
             END IF;
@@ -381,8 +381,24 @@ BEGIN
         WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
     END IF;
     IF b.strategy = 'pool' AND v_dry THEN
-        -- the pool ran dry: refill it, as the inline refiller of an unbatched take does
-        PERFORM pool_replenish_v1(p_tenant, p_bucket, 0, v_now);
+        -- The pool ran dry: top it up from free, as an unbatched take's inline
+        -- refill does (the expired holds it would give up, the look already did).
+        SELECT count(*) INTO v_w FROM (SELECT 1 FROM stock_unit
+                                       WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+                                       LIMIT b.pool_cap) s;
+        SELECT least(free, b.pool_cap - v_w) INTO v_w FROM stock_bucket
+        WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+        IF v_w > 0 THEN
+            INSERT INTO stock_unit (tenant_id, bucket_id)
+            SELECT p_tenant, p_bucket FROM generate_series(1, v_w);
+            UPDATE stock_bucket
+            SET free = free - v_w,
+                pool_lo = coalesce((SELECT min(unit_id) FROM stock_unit
+                                    WHERE tenant_id = p_tenant AND bucket_id = p_bucket), 0),
+                pool_hi = coalesce((SELECT max(unit_id) FROM stock_unit
+                                    WHERE tenant_id = p_tenant AND bucket_id = p_bucket), 0)
+            WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+        END IF;
     END IF;
     RETURN to_jsonb(v_out);
 END $$;
@@ -393,7 +409,8 @@ END $$;
 -- expired holds that other transactions hold remain (then a short request is
 -- not decided in the batch).
 CREATE OR REPLACE FUNCTION bucket_batch_look_v1(p_tenant bigint, p_bucket bigint,
-                                                p_strategy text, p_now timestamptz,
+                                                p_strategy text, p_cap integer,
+                                                p_now timestamptz,
                                                 p_from integer, p_kinds text[],
                                                 p_quantities integer[],
                                                 INOUT units bigint, INOUT free bigint,
@@ -422,8 +439,11 @@ BEGIN
         units := units + v_got;
     END IF;
     IF units + free < v_demand THEN
-        free := free + bucket_reclaim_expired_v1(p_tenant, p_bucket, p_now,
-                                                 v_demand - units - free, p_skip);
+        -- a pool bucket's for the batch and a full pool, as an inline refill's
+        free := free + bucket_reclaim_expired_v1(
+            p_tenant, p_bucket, p_now,
+            v_demand - units - free + CASE WHEN p_strategy = 'pool' THEN p_cap ELSE 0 END,
+            p_skip);
     END IF;
     others := EXISTS (SELECT 1 FROM stock_unit u
                       WHERE u.tenant_id = p_tenant AND u.bucket_id = p_bucket)
