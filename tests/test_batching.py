@@ -253,3 +253,30 @@ async def test_the_same_request_batched_or_not_gets_the_same_answer(
                 released.status, again.replayed]
             assert digest("release", {"id": str(uuid.UUID(other.reservation.id))})
     assert answers[True] == answers[False]
+
+
+async def test_a_late_claim_takes_its_units_again_in_a_batch(
+        service: ReservationService, tenant: Tenant, strategy: str) -> None:
+    """A claim of a hold whose expiry was given up (inline, by another buyer) takes its units
+    again when they are there, and fails with ReservationExpired when they are not."""
+    from datetime import timedelta
+
+    from pgreserve.errors import ReservationExpired
+
+    await service.set_stock(tenant.id, "s", "w", 3, strategy=strategy)
+    late = await service.reserve(tenant.id, "late", [("s", "w", 2)], ttl=timedelta(seconds=1))
+    gone = await service.reserve(tenant.id, "gone", [("s", "w", 2)], ttl=timedelta(seconds=1))
+    assert late.reservation is not None and not gone.held
+    await asyncio.sleep(1.1)
+    # a buyer of 2 gives up the expired hold inline and takes 2 of the 3 units
+    taker = await service.reserve(tenant.id, "taker", [("s", "w", 2)])
+    assert taker.held
+    with pytest.raises(ReservationExpired):
+        await service.claim(tenant.id, late.reservation.id)  # 1 unit left, 2 needed
+    assert taker.reservation is not None
+    await service.release(tenant.id, taker.reservation.id)
+    claimed = await service.claim(tenant.id, late.reservation.id)
+    assert claimed.status.value == "claimed"
+    view = await service.get_stock(tenant.id, "s", "w")
+    assert (view.on_hand, view.reserved, view.available) == (1, 0, 1)
+    assert await service.invariant_violations() == []

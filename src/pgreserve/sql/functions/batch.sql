@@ -230,8 +230,9 @@ BEGIN
                     IF v_units + v_free < v_q AND NOT v_looked THEN
                         v_looked := true;
                         SELECT * INTO v_units, v_free, v_others
-                        FROM bucket_batch_look_v1(p_tenant, p_bucket, b.strategy, v_now, i,
-                                                  p_kinds, p_quantities, v_units, v_free, r_ids);
+                        FROM bucket_batch_look_v1(p_tenant, p_bucket, b.strategy, b.pool_cap,
+                                                  v_now, i, p_kinds, p_quantities, v_units,
+                                                  v_free, r_ids);
                         SELECT shortfall INTO v_shortfall FROM stock_bucket
                         WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
                     END IF;
