@@ -247,10 +247,19 @@ async def test_the_same_request_batched_or_not_gets_the_same_answer(
             assert other.reservation is not None
             released = await svc.release(tenant.id, other.reservation.id, request_key=f"{sku}-r")
             again = await svc.release(tenant.id, other.reservation.id, request_key=f"{sku}-r")
+            twice = await svc.claim(tenant.id, held.reservation.id)
+            unkeyed_again = await svc.release(tenant.id, other.reservation.id)
+            refusals = await asyncio.gather(
+                svc.claim(tenant.id, other.reservation.id),
+                svc.release(tenant.id, held.reservation.id),
+                svc.claim(tenant.id, held.reservation.id, request_key=f"{sku}-r"),
+                return_exceptions=True)
             answers[batching] = [
                 (held.held, held.replayed), (replay.held, replay.replayed),
                 short.short_lines[0].available, claimed.status, claimed.lines[0].quantity,
-                released.status, again.replayed]
+                released.status, again.replayed, twice.status,
+                unkeyed_again.status, [type(r).__name__ for r in refusals]]
+            assert twice.claimed_at == claimed.claimed_at
             assert digest("release", {"id": str(uuid.UUID(other.reservation.id))})
     assert answers[True] == answers[False]
 
