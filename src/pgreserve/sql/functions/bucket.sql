@@ -112,6 +112,7 @@ DECLARE
     v_direct integer;
     v_held integer;
     v_round integer;
+    v_look integer;
     -- expiry is judged at each deciding statement (p_now NULL: the database's clock then)
     v_cut timestamptz;
 BEGIN
@@ -189,47 +190,54 @@ BEGIN
             units := v_take.units;
             RETURN;
         END IF;
-        -- Wait for the units other buyers hold, in a new snapshot and in unit
-        -- order: each is sold when its buyer commits, or stays if that buyer
-        -- was short. Two buyers that each hold part of what they need can wait
-        -- for each other here; PostgreSQL breaks the cycle (40P01), the victim
-        -- is retried whole and the survivor gets its units: exact answers, at
-        -- the cost of deadlock_timeout for the victim at the moment of sell-out.
-        SELECT count(*) INTO v_held FROM (
-            SELECT 1 FROM stock_unit
-            WHERE tenant_id = p_tenant AND bucket_id = p_bucket
-            ORDER BY unit_id LIMIT p_qty
-            FOR UPDATE) s;
-        v_held := greatest(v_held, v_take.locked);  -- this bucket's units now locked here
-        IF v_held >= p_qty THEN
-            v_take := pool_take_units_v1(p_tenant, p_bucket, p_qty, 0, p_keep);
-            IF v_take.locked = p_qty THEN
-                ok := true;
-                units := v_take.units;
-                RETURN;
-            END IF;
-        END IF;
-
+        v_held := v_take.locked;  -- this bucket's units locked here (not deleted)
         -- One snapshot decides: the strategy, free, the pool (up to p_qty),
         -- and expired holds (less what is owed to the shortfall), expiry
         -- judged at this instant, not when the request started (it may have
-        -- waited).
-        v_cut := coalesce(p_now, clock_timestamp());
-        SELECT b.strategy, b.pool_lo, b.pool_hi, b.free, b.shortfall,
-               (SELECT count(*) FROM (SELECT 1 FROM stock_unit u
-                                      WHERE u.tenant_id = p_tenant AND u.bucket_id = p_bucket
-                                      LIMIT p_qty) s),
-               (SELECT coalesce(sum(l.quantity), 0) FROM reservation_line l
-                WHERE l.tenant_id = p_tenant AND l.bucket_id = p_bucket
-                  AND l.held AND l.expires_at <= v_cut)
-        INTO v_strategy, v_lo, v_hi, v_free, v_shortfall, v_pool, v_expired
-        FROM stock_bucket b WHERE b.tenant_id = p_tenant AND b.bucket_id = p_bucket;
+        -- waited). Units other buyers hold count: they may stay.
+        FOR v_look IN 1 .. 2 LOOP
+            v_cut := coalesce(p_now, clock_timestamp());
+            SELECT b.strategy, b.pool_lo, b.pool_hi, b.free, b.shortfall,
+                   (SELECT count(*) FROM (SELECT 1 FROM stock_unit u
+                                          WHERE u.tenant_id = p_tenant
+                                            AND u.bucket_id = p_bucket
+                                          LIMIT p_qty) s),
+                   (SELECT coalesce(sum(l.quantity), 0) FROM reservation_line l
+                    WHERE l.tenant_id = p_tenant AND l.bucket_id = p_bucket
+                      AND l.held AND l.expires_at <= v_cut)
+            INTO v_strategy, v_lo, v_hi, v_free, v_shortfall, v_pool, v_expired
+            FROM stock_bucket b WHERE b.tenant_id = p_tenant AND b.bucket_id = p_bucket;
+            EXIT WHEN v_strategy <> 'pool';
+            v_usable := v_free + v_pool + greatest(0, v_expired - v_shortfall);
+            IF v_usable < p_qty THEN
+                seen_available := v_usable;
+                RETURN;
+            END IF;
+            -- free units or expired holds: a refill brings them in (below)
+            EXIT WHEN v_free + greatest(0, v_expired - v_shortfall) > 0 OR v_look = 2;
+            -- Only units other buyers hold can serve it: wait for them, in unit
+            -- order; each is sold when its buyer commits, or stays if that
+            -- buyer was short. Two buyers that each hold part of what they need
+            -- can wait for each other here; PostgreSQL breaks the cycle
+            -- (40P01), the victim is retried whole and the survivor gets its
+            -- units: exact answers, at the cost of deadlock_timeout for the
+            -- victim at the moment of sell-out.
+            SELECT count(*) INTO v_held FROM (
+                SELECT 1 FROM stock_unit
+                WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+                ORDER BY unit_id LIMIT p_qty
+                FOR UPDATE) s;
+            v_held := greatest(v_held, v_take.locked);
+            IF v_held >= p_qty THEN
+                v_take := pool_take_units_v1(p_tenant, p_bucket, p_qty, 0, p_keep);
+                IF v_take.locked = p_qty THEN
+                    ok := true;
+                    units := v_take.units;
+                    RETURN;
+                END IF;
+            END IF;
+        END LOOP;
         CONTINUE WHEN v_strategy <> 'pool';
-        v_usable := v_free + v_pool + greatest(0, v_expired - v_shortfall);
-        IF v_usable < p_qty THEN
-            seen_available := v_usable;
-            RETURN;
-        END IF;
 
         -- Enough is there: units other buyers hold, or free units and expired
         -- holds that a refill brings into reach. One refiller per bucket: the

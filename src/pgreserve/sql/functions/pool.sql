@@ -5,45 +5,78 @@
 -- them when it does (a take that deleted and re-inserted them would hand the
 -- waiter rows it cannot see). With p_keep the units are locked but not
 -- deleted even when all are there; their ids come back in `units` for the
--- caller to delete once the whole cart is held. Returns the units locked.
+-- caller to delete once the whole cart is held. Returns the units locked
+-- (without p_keep, `units` is NULL).
 CREATE OR REPLACE FUNCTION pool_take_units_v1(p_tenant bigint, p_bucket bigint, p_qty integer,
                                    p_start bigint, p_keep boolean DEFAULT false,
                                    OUT locked integer, OUT units bigint[])
 LANGUAGE plpgsql AS $$
 DECLARE
-    v_more bigint[];
+    v_picked integer;
+    v_more integer;
+    v_ids bigint[];
 BEGIN
-    -- the usual case in one statement: lock, and delete when all are there
-    WITH picked AS MATERIALIZED (
+    IF NOT p_keep THEN
+        -- the usual case in one statement: lock, and delete when all are there
+        WITH picked AS MATERIALIZED (
+            SELECT unit_id FROM stock_unit
+            WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND unit_id >= p_start
+            ORDER BY unit_id
+            LIMIT p_qty
+            FOR UPDATE SKIP LOCKED
+        ), taken AS (
+            DELETE FROM stock_unit u USING picked
+            WHERE u.tenant_id = p_tenant AND u.bucket_id = p_bucket
+              AND u.unit_id = picked.unit_id AND (SELECT count(*) FROM picked) = p_qty
+            RETURNING 1
+        )
+        SELECT (SELECT count(*) FROM picked), (SELECT count(*) FROM taken)
+        INTO v_picked, locked;
+        IF locked = p_qty OR v_picked = p_qty OR p_start = 0 THEN
+            locked := v_picked;
+            RETURN;
+        END IF;
+        -- wrap around: lock the rest below p_start; with all p_qty locked,
+        -- take p_qty of the units this transaction may lock (its own included)
+        SELECT count(*) INTO v_more FROM (
+            SELECT 1 FROM stock_unit
+            WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND unit_id < p_start
+            ORDER BY unit_id
+            LIMIT p_qty - v_picked
+            FOR UPDATE SKIP LOCKED) s;
+        locked := v_picked + v_more;
+        IF locked = p_qty THEN
+            WITH picked AS (
+                SELECT unit_id FROM stock_unit
+                WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+                ORDER BY unit_id
+                LIMIT p_qty
+                FOR UPDATE SKIP LOCKED
+            ), taken AS (
+                DELETE FROM stock_unit u USING picked
+                WHERE u.tenant_id = p_tenant AND u.bucket_id = p_bucket
+                  AND u.unit_id = picked.unit_id
+                RETURNING 1
+            )
+            SELECT count(*) INTO locked FROM taken;
+        END IF;
+        RETURN;
+    END IF;
+    -- p_keep: lock only, and say which units
+    SELECT coalesce(array_agg(unit_id), '{}') INTO units FROM (
         SELECT unit_id FROM stock_unit
         WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND unit_id >= p_start
         ORDER BY unit_id
         LIMIT p_qty
-        FOR UPDATE SKIP LOCKED
-    ), taken AS (
-        DELETE FROM stock_unit u USING picked
-        WHERE u.tenant_id = p_tenant AND u.bucket_id = p_bucket AND u.unit_id = picked.unit_id
-          AND NOT p_keep AND (SELECT count(*) FROM picked) = p_qty
-        RETURNING 1
-    )
-    SELECT coalesce((SELECT array_agg(unit_id) FROM picked), '{}'),
-           (SELECT count(*) FROM taken)
-    INTO units, locked;
-    IF locked = p_qty THEN
-        RETURN;
-    END IF;
+        FOR UPDATE SKIP LOCKED) s;
     IF cardinality(units) < p_qty AND p_start > 0 THEN
-        SELECT coalesce(array_agg(unit_id), '{}') INTO v_more FROM (
+        SELECT coalesce(array_agg(unit_id), '{}') INTO v_ids FROM (
             SELECT unit_id FROM stock_unit
             WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND unit_id < p_start
             ORDER BY unit_id
             LIMIT p_qty - cardinality(units)
             FOR UPDATE SKIP LOCKED) s;
-        units := units || v_more;
-        IF cardinality(units) = p_qty AND NOT p_keep THEN
-            DELETE FROM stock_unit
-            WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND unit_id = ANY (units);
-        END IF;
+        units := units || v_ids;
     END IF;
     locked := cardinality(units);
 END $$;
