@@ -92,10 +92,13 @@ def test_http_target_takes_one_process(dsn: str, tmp_path: Path) -> None:
 
 
 def test_flash_sale_both_strategies_sell_exactly_the_stock(dsn: str, tmp_path: Path) -> None:
-    """Demand 3x the stock: each strategy holds every unit, oversells none, and the JSON has every figure."""
-    code, doc, output = invoke(dsn, tmp_path, *SMALL, "--strategy", "all")
+    """Demand 3x the stock: each strategy holds every unit, oversells none, and the JSON has
+    every figure (each strategy runs batched, then unbatched: --batching both is the default)."""
+    # (no releases: a released hold gives its unit back, and it would be sold again)
+    code, doc, output = invoke(dsn, tmp_path, *SMALL, "--strategy", "all", "--release", "0")
     assert code == 0, output
-    assert [run["strategy"] for run in doc["runs"]] == ["row", "pool"]
+    assert [run["strategy"] for run in doc["runs"]] == ["row", "row", "pool", "pool"]
+    assert [run["batching"] for run in doc["runs"]] == [True, False, True, False]
     for run in doc["runs"]:
         assert run.keys() >= RUN_FIELDS
         assert run["latency_ms"].keys() >= LATENCY_FIELDS
@@ -143,7 +146,8 @@ def test_planted_drift_fails_the_run(dsn: str, tmp_path: Path) -> None:
             await conn.execute("UPDATE stock_bucket SET free = free + 1 WHERE tenant_id = %s",
                                (ctx.tenant_id,))
 
-    code, doc, output = invoke(dsn, tmp_path, *SMALL, "--strategy", "pool", hook=plant)
+    code, doc, output = invoke(dsn, tmp_path, *SMALL, "--strategy", "pool", "--batching", "on",
+                               hook=plant)
     assert code != 0
     (run,) = doc["runs"]
     assert run["invariants_ok"] is False
@@ -155,7 +159,7 @@ def test_planted_drift_fails_the_run(dsn: str, tmp_path: Path) -> None:
 def test_long_run_reports_first_and_last_windows(dsn: str, tmp_path: Path) -> None:
     """--takes runs the pool alone and reports the p99 of the first and last windows of holds."""
     code, doc, output = invoke(dsn, tmp_path, "--takes", "300", "--window", "100",
-                               "--buyers", "8", "--pool-cap", "50")
+                               "--buyers", "8", "--pool-cap", "50", "--batching", "on")
     assert code == 0, output
     (run,) = doc["runs"]
     assert run["strategy"] == "pool" and run["held"] == 300
@@ -180,7 +184,8 @@ def test_http_target_sells_exactly_the_stock(dsn: str, tmp_path: Path) -> None:
                                "90", "--retry-rate", "0.1", "--claim", "0.3", "--release", "0.2",
                                "--quiet", "--strategy", "all", "--target", "http")
     assert code == 0, output
-    assert [run["strategy"] for run in doc["runs"]] == ["row", "pool"]
+    assert [(run["strategy"], run["batching"]) for run in doc["runs"]] == [
+        ("row", True), ("row", False), ("pool", True), ("pool", False)]
     for run in doc["runs"]:
         assert run.keys() >= RUN_FIELDS and run["latency_ms"].keys() >= LATENCY_FIELDS
         assert run["target"] == "http"
@@ -197,7 +202,7 @@ def test_library_target_is_the_default(dsn: str, tmp_path: Path) -> None:
     code, doc, output = invoke(dsn, tmp_path, "--units", "10", "--buyers", "2", "--requests",
                                "20", "--quiet", "--strategy", "row")
     assert code == 0, output
-    assert [run["target"] for run in doc["runs"]] == ["library"]
+    assert [run["target"] for run in doc["runs"]] == ["library", "library"]
     assert doc["config"]["target"] == "library"
 
 
@@ -216,3 +221,54 @@ async def test_http_target_against_a_running_service(dsn: str) -> None:
         assert run.oversold == 0 and run.invariants_ok
         with pytest.raises(InvalidRequest, match="already has stock"):
             await run_scenario(dsn, scenario, http=target)
+
+
+def test_batching_both_runs_each_strategy_batched_and_unbatched(dsn: str, tmp_path: Path) -> None:
+    """--batching both: two runs per strategy, batched first, each with its batch sizes
+    (none when unbatched), server CPU and WAL per hold; the ratios and the comparison name
+    both modes. --batching off runs only the unbatched path. No speed is asserted."""
+    small = ["--units", "30", "--buyers", "4", "--requests", "90", "--quiet"]
+    code, doc, output = invoke(dsn, tmp_path, *small, "--strategy", "all", "--batching", "both")
+    assert code == 0, output
+    assert [(r["strategy"], r["batching"]) for r in doc["runs"]] == [
+        ("row", True), ("row", False), ("pool", True), ("pool", False)]
+    assert doc["config"]["claim"] == 0.9 and doc["config"]["release"] == 0.05
+    assert doc["config"]["batching"] == [True, False]
+    for run in doc["runs"]:
+        assert run.keys() >= RUN_FIELDS and run["invariants_ok"] is True
+        assert run["held"] >= 30 and run["claimed"] > 0  # released units sell again
+        resources = run["resources"]
+        assert resources["cpu_source"] in ("proc", "pg_stat_statements", None)
+        assert resources["wal_bytes"] > 0 and resources["wal_bytes_per_hold"] > 0
+        assert {"server_cpu_ms_per_hold", "wal_bytes_per_hold", "server_cores",
+                "client_cores"} <= resources["selling_window"].keys()
+        if run["batching"]:
+            sizes = run["batch_sizes"]
+            assert 1 <= sizes["p50"] <= sizes["p90"] <= sizes["p99"] <= sizes["max"] <= 4
+            assert run["batches"]["requests"] >= run["held"]
+        else:
+            assert run["batch_sizes"] is None and run["batches"] is None
+    for strategy in ("row", "pool"):
+        assert f"{strategy}_batched_over_unbatched_reservations_per_s" in doc["ratios"]
+        assert f"{strategy}_batched_over_unbatched_p99_latency" in doc["ratios"]
+        assert f"{strategy}_batched_rejections_over_reservations_per_s" in doc["ratios"]
+    assert [c["strategy"] for c in doc["comparison"]] == ["row", "pool"]
+    assert all({"batched", "unbatched"} <= c.keys() for c in doc["comparison"])
+    assert "batched" in output and "unbatched" in output
+
+    code, doc, output = invoke(dsn, tmp_path, *small, "--strategy", "row", "--batching", "off")
+    assert code == 0, output
+    assert [(r["strategy"], r["batching"]) for r in doc["runs"]] == [("row", False)]
+
+
+def test_http_bench_without_wrk_fails_cleanly(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench http` with no wrk on PATH says what to install and exits 1, no traceback."""
+    from pgreserve.bench.cli import bench
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    result = CliRunner().invoke(bench, ["http", "--seconds", "1"])
+    assert result.exit_code == 1
+    assert "wrk is not on PATH" in result.output and "apt-get install wrk" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert "Traceback" not in result.output

@@ -96,6 +96,7 @@ async def drive(buyer: Buyer, admin: ReservationService | None, tenant: int,
     sweep = asyncio.create_task(sweep_until(admin, done)) \
         if scenario.expire > 0 and admin else None
     t0 = await gate() if gate is not None else time.perf_counter()
+    result.t0 = t0
     start.set()
     try:
         await asyncio.gather(*tasks)

@@ -73,6 +73,32 @@ def _database(url: str | None, durable: bool) -> Iterator[tuple[str, str]]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _run_options(f: Any) -> Any:
+    """--durable, --json and --database-url, as `bench server` and `bench http` take them."""
+    for option in reversed([
+            click.option("--durable/--no-durable", default=True, show_default=True,
+                         help="synchronous_commit on (durable commits) or off."),
+            click.option("--json", "json_path", type=click.Path(dir_okay=False),
+                         default=None, help="Write every figure to this JSON file."),
+            click.option("--database-url", envvar="PGRESERVE_BENCH_DATABASE_URL",
+                         default=None, help="Run against this PostgreSQL instead of a "
+                                            "fresh embedded server.")]):
+        f = option(f)
+    return f
+
+
+@contextmanager
+def _migrated(url: str | None, durable: bool) -> Iterator[tuple[str, str]]:
+    """_database, with the migrations applied."""
+    with _database(url, durable) as (dsn, where):
+        migrations.migrate(dsn)
+        yield dsn, where
+
+
+def _commit_mode(durable: bool) -> str:
+    return f"synchronous_commit={'on' if durable else 'off'}"
+
+
 def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
     """Build the flash-sale command; tests pass a hook that runs between the run and the checks."""
 
@@ -93,16 +119,22 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
                   help="Share of requests for SKU 0; the rest spread over the other SKUs.")
     @click.option("--retry-rate", type=float, default=0.0, show_default=True,
                   help="Share of requests re-sent with the buyer's previous request key.")
-    @click.option("--claim", type=float, default=0.0, show_default=True,
+    @click.option("--claim", type=float, default=0.9, show_default=True,
                   help="Share of holds claimed (sold) right after they are granted.")
-    @click.option("--release", type=float, default=0.0, show_default=True,
-                  help="Share of holds released right after they are granted.")
+    @click.option("--release", type=float, default=0.05, show_default=True,
+                  help="Share of holds released right after they are granted (payment "
+                       "failed); the rest stay held.")
     @click.option("--expire", type=float, default=0.0, show_default=True,
                   help="Share of holds given a short TTL and left to expire.")
     @click.option("--expire-ttl", type=float, default=1.0, show_default=True,
                   help="TTL in seconds of the holds left to expire.")
     @click.option("--strategy", type=click.Choice(["row", "pool", "all"]), default="all",
                   show_default=True)
+    @click.option("--batching", type=click.Choice(["on", "off", "both"]), default="both",
+                  show_default=True,
+                  help="The buyers' ReservationService batches one-line requests through "
+                       "its per-bucket combiner (on), sends each in its own transaction "
+                       "(off), or both, one run each per strategy, batched first.")
     @click.option("--pool-cap", type=int, default=1_000, show_default=True)
     @click.option("--replenish/--no-replenish", default=True, show_default=True,
                   help="Run the background pool replenisher during pool runs, as "
@@ -133,7 +165,8 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
     def flash_sale(units: int, buyers: int, processes: int | None, requests_: int | None,
                    quantity: int, skus: int,
                    hot_share: float, retry_rate: float, claim: float, release: float,
-                   expire: float, expire_ttl: float, strategy: str, pool_cap: int,
+                   expire: float, expire_ttl: float, strategy: str, batching: str,
+                   pool_cap: int,
                    replenish: bool, takes: int | None, window: int, durable: bool, seed: int,
                    json_path: str | None, plot_path: str | None, quiet: bool,
                    database_url: str | None, target: str, url: str | None,
@@ -154,6 +187,9 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
                 if strategy == "all":
                     raise click.BadParameter("--url runs one strategy (row or pool) per "
                                              "fresh tenant", param_hint="--strategy")
+                if batching == "off":
+                    raise click.BadParameter("--url measures the running service as it is "
+                                             "configured (it batches)", param_hint="--batching")
             http = HttpTarget(url=url, api_key=api_key)
         elif url is not None or api_key is not None:
             raise click.BadParameter("--url and --api-key go with --target http",
@@ -164,11 +200,12 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
         elif target == "http" and processes != 1:
             raise click.BadParameter("--target http runs its buyers in one process",
                                      param_hint="--processes")
+        modes = {"on": (True,), "off": (False,), "both": (True, False)}[batching]
         common: dict[str, Any] = {
             "buyers": buyers, "processes": processes, "claim": claim, "release": release,
             "expire": expire, "expire_ttl_s": expire_ttl, "pool_cap": pool_cap,
             "replenish": replenish, "durable": durable, "seed": seed, "window": window,
-            "strategies": strategies}
+            "strategies": strategies, "batching": modes}
         try:
             if takes is not None:
                 if strategy == "all":
@@ -183,12 +220,11 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
             raise click.BadParameter(exc.message) from None
         out = Console()
         err = Console(stderr=True)
-        with _database(database_url, durable) as (dsn, where):
-            migrations.migrate(dsn)
+        with _migrated(database_url, durable) as (dsn, where):
             err.print(f"[dim]{where}; {scenario.buyers} buyers in {scenario.processes} "
                       f"process{'es' if scenario.processes > 1 else ''}, "
-                      f"{scenario.requests:,} requests "
-                      f"per strategy, synchronous_commit={'on' if durable else 'off'}[/]")
+                      f"{scenario.requests:,} requests per run, batching {batching}, "
+                      f"{_commit_mode(durable)}[/]")
             try:
                 runs = _run(dsn, scenario, quiet, err, before_check, http)
             except InvalidRequest as exc:
@@ -213,15 +249,15 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
 
 def _run(dsn: str, scenario: Scenario, quiet: bool, err: Console,
          before_check: BeforeCheck | None, http: HttpTarget | None) -> list[RunResult]:
-    from .runner import run_scenario
+    from .runner import run_label, run_scenario, runs_of
 
     if quiet:
         return asyncio.run(run_scenario(dsn, scenario, before_check=before_check, http=http))
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     with Progress(*columns, console=err, transient=False) as bar:
-        tasks = {s: bar.add_task(f"{s:>4}", total=scenario.requests)
-                 for s in scenario.strategies}
+        labels = [run_label(s, b) for s, b in runs_of(scenario, http)]
+        tasks = {s: bar.add_task(f"{s:>14}", total=scenario.requests) for s in labels}
         return asyncio.run(run_scenario(
             dsn, scenario, progress=lambda s, n: bar.advance(tasks[s], n),
             before_check=before_check, http=http))
@@ -242,12 +278,7 @@ bench.add_command(make_flash_sale())
 @click.option("--pool-cap", type=int, default=1_000, show_default=True)
 @click.option("--replenish/--no-replenish", default=True, show_default=True,
               help="Run the background pool replenisher during pool runs.")
-@click.option("--durable/--no-durable", default=True, show_default=True,
-              help="synchronous_commit on (durable commits) or off.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
-              help="Write every figure to this JSON file.")
-@click.option("--database-url", envvar="PGRESERVE_BENCH_DATABASE_URL", default=None,
-              help="Run against this PostgreSQL instead of a fresh embedded server.")
+@_run_options
 def server_bench(units: int, requests_: int, clients: int, strategy: str, pool_cap: int,
                  replenish: bool, durable: bool, json_path: str | None,
                  database_url: str | None) -> None:
@@ -314,5 +345,87 @@ def server_bench(units: int, requests_: int, clients: int, strategy: str, pool_c
                        "durable": durable, "database": where}})
         err.print(f"wrote {json_path}")
     if not all(run.invariants_ok for run in runs):
+        err.print("[bold red]invariants failed[/]")
+        raise SystemExit(1)
+
+
+@bench.command("http")
+@click.option("--seconds", type=click.FloatRange(1, 600), default=10, show_default=True,
+              help="wrk's measured run against each server.")
+@click.option("--warmup", type=click.FloatRange(0, 60), default=2, show_default=True,
+              help="An unmeasured wrk run first against each server (0: none).")
+@click.option("--connections", type=click.IntRange(1, 1000), default=64, show_default=True,
+              help="wrk connections (concurrent buyers).")
+@click.option("--threads", type=click.IntRange(1, 64), default=2, show_default=True,
+              help="wrk threads.")
+@click.option("--workers", type=click.IntRange(1, 64), default=2, show_default=True,
+              help="uvicorn processes of each server (serve --workers N).")
+@click.option("--strategy", type=click.Choice(["row", "pool"]), default="pool",
+              show_default=True)
+@click.option("--units", type=click.IntRange(1, 100_000_000), default=5_000_000,
+              show_default=True,
+              help="Units of the SKU: enough that the run never sells out.")
+@click.option("--pool-cap", type=int, default=1_000, show_default=True)
+@_run_options
+def http_bench(seconds: float, warmup: float, connections: int, threads: int, workers: int,
+               strategy: str, units: int, pool_cap: int, durable: bool,
+               json_path: str | None, database_url: str | None) -> None:
+    """Holds/s through `pgreserve serve --workers N`, sent by wrk, over a bare FastAPI
+    endpoint's requests/s, both started the same way in this run (loopback only).
+
+    Every request is `POST /v1/reservations` with a one-line cart, the tenant's API key
+    and a fresh Idempotency-Key; no claims. Exits 1 if the books do not balance.
+    """
+    from . import report
+    from .wrk import run_http_bench, wrk_path
+
+    try:
+        wrk_path()
+    except InvalidRequest as exc:
+        raise click.ClickException(exc.message) from None
+    out = Console()
+    err = Console(stderr=True)
+    with _migrated(database_url, durable) as (dsn, where):
+        err.print(f"[dim]{where}; wrk -t{threads} -c{connections} for {seconds:g} s "
+                  f"(after {warmup:g} s of warm-up) against each server, {workers} uvicorn "
+                  f"processes each, strategy {strategy}, {_commit_mode(durable)}[/]")
+        try:
+            result = asyncio.run(run_http_bench(
+                dsn, strategy=strategy, units=units, pool_cap=pool_cap, workers=workers,
+                threads=threads, connections=connections, seconds=seconds, warmup=warmup,
+                durable=durable))
+        except InvalidRequest as exc:
+            raise click.ClickException(exc.message) from None
+    table = Table(title=f"HTTP, wrk -t{threads} -c{connections} -d{seconds:g}s, "
+                        f"POST /v1/reservations", title_justify="left")
+    for name in ("server", "201/s", "requests/s", "other answers", "p50 / p99 ms",
+                 "cores: server / postgres / wrk"):
+        table.add_column(name, justify="left" if name == "server" else "right")
+    for endpoint in (result.bare, result.service):
+        cores = [endpoint.cores(c) for c in (endpoint.server_cpu_s, endpoint.postgres_cpu_s,
+                                             endpoint.wrk_cpu_s)]
+        lat = endpoint.latency_ms
+        table.add_row(endpoint.name, f"{endpoint.created_per_s or 0:,.0f}",
+                      f"{endpoint.requests_per_s or 0:,.0f}",
+                      f"{endpoint.rejected + endpoint.other_status:,} non-201, "
+                      f"{endpoint.socket_errors:,} socket errors",
+                      f"{lat['p50']:.2f} / {lat['p99']:.2f}",
+                      " / ".join("n/a" if c is None else f"{c:.2f}" for c in cores))
+    out.print(table)
+    out.print(f"reservations in the database: {result.reservations:,} (warm-up included); "
+              f"{result.commits:,} commits while the service ran (reads included)")
+    ratio = result.ratio
+    out.print("[bold]ratio[/]\n  service_holds_over_bare_requests_per_s: "
+              + ("n/a" if ratio is None else f"{ratio:.2f}"))
+    if json_path:
+        report.write_json(json_path, {**result.to_dict(), "config": {
+            "seconds": seconds, "warmup": warmup, "connections": connections,
+            "threads": threads, "workers": workers, "strategy": strategy, "units": units,
+            "pool_cap": pool_cap, "durable": durable, "database": where,
+            "client": "wrk (Lua: POST /v1/reservations, one-line cart, fresh Idempotency-Key)"}})
+        err.print(f"wrote {json_path}")
+    if not result.ok:
+        for violation in result.violations[:10]:
+            out.print(f"  [red]violation[/] {violation}")
         err.print("[bold red]invariants failed[/]")
         raise SystemExit(1)

@@ -136,6 +136,15 @@ def _server_class() -> Any:
 async def local_service(dsn: str, pool_size: int,
                         application_name: str = "pgreserve:http") -> AsyncIterator[str]:
     """The API on a free 127.0.0.1 port in this event loop; yields its base URL."""
+    async with local_app(dsn, pool_size, application_name) as (url, _app):
+        yield url
+
+
+@asynccontextmanager
+async def local_app(dsn: str, pool_size: int, application_name: str = "pgreserve:http", *,
+                    batching: bool = True) -> AsyncIterator[tuple[str, Any]]:
+    """local_service, yielding (base URL, the FastAPI app) so that the caller can read the
+    app's ReservationService (`app.state.service`, its combiner's stats) afterwards."""
     import uvicorn
 
     from ..http.app import create_app
@@ -144,6 +153,9 @@ async def local_service(dsn: str, pool_size: int,
     port = free_port()
     app = create_app(dsn, pool_size=pool_size, application_name=application_name,
                      pool_min_size=pool_size)  # opened up front, as the library buyers' pool
+    # create_app has no batching parameter: its lifespan builds the service from
+    # these options (ReservationService(database, **service_options)).
+    app.state.service_options["batching"] = batching
     config = uvicorn.Config(app, host="127.0.0.1",
                             port=port, log_level="warning", lifespan="on", access_log=False)
     server = _Server(config)
@@ -154,7 +166,7 @@ async def local_service(dsn: str, pool_size: int,
                 await task
                 raise RuntimeError(f"the bench's HTTP server did not start on port {port}")
             await asyncio.sleep(0.02)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", app
     finally:
         server.should_exit = True
         await task

@@ -24,6 +24,7 @@ from collections import Counter
 from dataclasses import asdict
 from typing import Any
 
+from ..core.batching import BatchStats
 from ..core.service import ReservationService
 from ..db.database import Database
 from .buyers import drive, sweep_until
@@ -40,18 +41,19 @@ def split(requests: list[PlannedRequest], buyers: int,
     return [(buyers // n + (1 if k < buyers % n else 0), requests[k::n]) for k in range(n)]
 
 
-def _child(number: int, dsn: str, scenario: Scenario, strategy: str, tenant: int, buyers: int,
-           requests: list[PlannedRequest], application_name: str, go: Any, zero: Any,
-           done: Any, out: Any) -> None:
+def _child(number: int, dsn: str, scenario: Scenario, strategy: str, batching: bool,
+           tenant: int, buyers: int, requests: list[PlannedRequest], application_name: str,
+           go: Any, zero: Any, done: Any, out: Any) -> None:
     try:
-        asyncio.run(_child_run(number, dsn, scenario, strategy, tenant, buyers, requests,
-                               application_name, go, zero, done, out))
+        asyncio.run(_child_run(number, dsn, scenario, strategy, batching, tenant, buyers,
+                               requests, application_name, go, zero, done, out))
     except BaseException as exc:  # noqa: BLE001 - report it: the parent must not wait for this process
         out.put(("error", number, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-async def _child_run(number: int, dsn: str, scenario: Scenario, strategy: str, tenant: int,
-                     buyers: int, requests: list[PlannedRequest], application_name: str,
+async def _child_run(number: int, dsn: str, scenario: Scenario, strategy: str,
+                     batching: bool, tenant: int, buyers: int,
+                     requests: list[PlannedRequest], application_name: str,
                      go: Any, zero: Any, done: Any, out: Any) -> None:
     loop = asyncio.get_running_loop()
 
@@ -65,25 +67,29 @@ async def _child_run(number: int, dsn: str, scenario: Scenario, strategy: str, t
 
     db = Database(dsn, min_size=buyers, max_size=buyers, application_name=application_name)
     await db.open()
+    service = ReservationService(db, batching=batching)
     try:
         out.put(("ready", number, None))
-        result = await drive(ReservationService(db), None, tenant, scenario, strategy,
+        result = await drive(service, None, tenant, scenario, strategy,
                               requests, progress, buyers=buyers, gate=gate)
     finally:
         await db.close()
     result.client_stats = asdict(db.stats)
+    result.batch = service.combiner.stats if service.combiner is not None else None
     out.put(("result", number, result))
 
 
 async def drive_processes(dsn: str, admin: ReservationService, tenant: int, scenario: Scenario,
                           strategy: str, requests: list[PlannedRequest],
-                          progress: Any, application_name: str) -> RunResult:
-    """Run the plan with the scenario's buyers spread over `scenario.processes` processes."""
+                          progress: Any, application_name: str,
+                          batching: bool = True) -> RunResult:
+    """Run the plan with the scenario's buyers spread over `scenario.processes` processes,
+    each with its own ReservationService (batched or not: `batching`)."""
     ctx = mp.get_context("spawn")
     parts = split(requests, scenario.buyers, scenario.processes)
     go, zero, done, out = ctx.Event(), ctx.Value("d", 0.0), ctx.Value("q", 0), ctx.Queue()
     procs = [ctx.Process(target=_child, daemon=True,
-                         args=(k, dsn, scenario, strategy, tenant, buyers, reqs,
+                         args=(k, dsn, scenario, strategy, batching, tenant, buyers, reqs,
                                application_name, go, zero, done, out))
              for k, (buyers, reqs) in enumerate(parts)]
     for proc in procs:
@@ -120,7 +126,10 @@ async def drive_processes(dsn: str, admin: ReservationService, tenant: int, scen
             if proc.is_alive() and len(finished) < len(procs):
                 proc.terminate()
             await loop.run_in_executor(None, proc.join, 30)
-    return _merge(strategy, scenario, list(finished.values()))
+    result = _merge(strategy, scenario, list(finished.values()))
+    result.batching = batching
+    result.t0 = float(zero.value)
+    return result
 
 
 async def _next(loop: asyncio.AbstractEventLoop, out: Any, procs: list[Any],
@@ -165,4 +174,19 @@ def _merge(strategy: str, scenario: Scenario, parts: list[RunResult]) -> RunResu
         result.error_kinds.update(part.error_kinds)
         stats.update(part.client_stats)
     result.client_stats = {f"client_{k}": v for k, v in stats.items()}
+    result.batch = merge_batch_stats([p.batch for p in parts if p.batch is not None])
     return result
+
+
+def merge_batch_stats(parts: list[BatchStats]) -> BatchStats | None:
+    """The processes' combiner stats as one: counts and the size histogram summed."""
+    if not parts:
+        return None
+    out = BatchStats()
+    for part in parts:
+        out.batches += part.batches
+        out.requests += part.requests
+        out.splits += part.splits
+        out.busy += part.busy
+        out.sizes.update(part.sizes)
+    return out

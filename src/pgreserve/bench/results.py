@@ -9,6 +9,8 @@ from typing import Any, Protocol
 
 from hdrh.histogram import HdrHistogram
 
+from ..core.batching import BatchStats
+from .meter import Usage
 from .scenario import Scenario
 
 HELD, REJECTED, REPLAYED, ERROR = "held", "rejected", "replayed", "error"
@@ -80,6 +82,31 @@ class RunResult:
     target: str = "library"  # how the buyers reached the service: "library" or "http"
     background_refills: int | None = None  # pool runs: refills by the background replenisher
     background_refilled_units: int | None = None
+    batching: bool | None = True
+    """The buyers' ReservationService batched (group commit) or not; None: a running
+    service's own setting (--url)."""
+    t0: float = 0.0  # perf_counter at the buyers' start
+    batch: BatchStats | None = None  # the buyers' combiner(s), batched runs
+    usage: Usage | None = None  # server and client CPU, WAL
+
+    @property
+    def mode(self) -> str:
+        """"batched", "unbatched", or "service" (a running service's own setting)."""
+        return "service" if self.batching is None else \
+            "batched" if self.batching else "unbatched"
+
+    @property
+    def label(self) -> str:
+        return f"{self.strategy} {self.mode}"
+
+    def batch_sizes(self) -> dict[str, int] | None:
+        """Batch size at p50/p90/p99 over requests sent through the combiner (reserves,
+        claims, releases); None when nothing was batched."""
+        stats = self.batch
+        if stats is None or not stats.requests:
+            return None
+        return {k: stats.percentile(p) for k, p in (("p50", 50.0), ("p90", 90.0),
+                                                     ("p99", 99.0))} | {"max": max(stats.sizes)}
 
     # -- counts ----------------------------------------------------------------
 
@@ -229,6 +256,7 @@ class RunResult:
         book = self.ledger
         return {
             "strategy": self.strategy,
+            "batching": self.batching,
             "target": self.target,
             "requests": self.requests,
             "held": self.held,
@@ -263,6 +291,13 @@ class RunResult:
             "take_latency_climb": self.take_windows(),
             "error_kinds": dict(self.error_kinds),
             "db": self.db_view(),
+            "batch_sizes": self.batch_sizes(),
+            "batches": None if self.batch is None else {
+                "batches": self.batch.batches, "requests": self.batch.requests,
+                "splits": self.batch.splits, "busy": self.batch.busy,
+                "requests_per_batch": self.batch.requests / self.batch.batches
+                if self.batch.batches else None},
+            "resources": None if self.usage is None else self.usage.to_dict(self.held),
         }
 
 
@@ -280,16 +315,69 @@ class Rated(Protocol):
 
 
 def ratios(runs: Sequence[Rated]) -> dict[str, float | None]:
-    """pool/row reservations per second, and each strategy's rejections/s over reservations/s."""
-    by = {r.strategy: r for r in runs}
+    """pool/row reservations per second, and each strategy's rejections/s over reservations/s.
+
+    Flash-sale runs (they have `batching`) are named by strategy and mode: batched
+    over unbatched holds/s and p99 latency per strategy, and the sold-out rate over
+    each mode's hold rate; pool/row compares the batched runs (the unbatched ones
+    under `pool_over_row_unbatched_reservations_per_s`)."""
     out: dict[str, float | None] = {}
-    row, pool = by.get("row"), by.get("pool")
-    if row and pool:
-        out["pool_over_row_reservations_per_s"] = _div(pool.reservations_per_s,
-                                                        row.reservations_per_s)
-    for run in runs:
-        out[f"{run.strategy}_rejections_over_reservations_per_s"] = _div(
-            run.rejections_per_s, run.reservations_per_s)
+    if not all(hasattr(r, "batching") for r in runs):
+        by = {r.strategy: r for r in runs}
+        row_, pool_ = by.get("row"), by.get("pool")
+        if row_ and pool_:
+            out["pool_over_row_reservations_per_s"] = _div(pool_.reservations_per_s,
+                                                            row_.reservations_per_s)
+        for run in runs:
+            out[f"{run.strategy}_rejections_over_reservations_per_s"] = _div(
+                run.rejections_per_s, run.reservations_per_s)
+        return out
+    flash = [r for r in runs if isinstance(r, RunResult)]
+    modes = {(r.strategy, r.mode): r for r in flash}
+    mode_order = [m for m in ("batched", "service", "unbatched")
+                  if any(r.mode == m for r in flash)]
+    for index, mode in enumerate(mode_order):
+        row, pool = modes.get(("row", mode)), modes.get(("pool", mode))
+        if row and pool:
+            name = "pool_over_row_reservations_per_s" if index == 0 \
+                else f"pool_over_row_{mode}_reservations_per_s"
+            out[name] = _div(pool.reservations_per_s, row.reservations_per_s)
+    for strategy in dict.fromkeys(r.strategy for r in flash):
+        on, off = modes.get((strategy, "batched")), modes.get((strategy, "unbatched"))
+        if on and off:
+            out[f"{strategy}_batched_over_unbatched_reservations_per_s"] = _div(
+                on.reservations_per_s, off.reservations_per_s)
+            out[f"{strategy}_batched_over_unbatched_p99_latency"] = _div(
+                on.latency_ms()["p99"], off.latency_ms()["p99"])
+        for mode in mode_order:
+            one = modes.get((strategy, mode))
+            if one is not None:
+                out[f"{strategy}_{mode}_rejections_over_reservations_per_s"] = _div(
+                    one.rejections_per_s, one.reservations_per_s)
+    return out
+
+
+def comparison(runs: Sequence[RunResult]) -> list[dict[str, Any]]:
+    """Per strategy, the batched and the unbatched run side by side (what --json calls
+    `comparison`): holds/s, sold-out answers/s, p99 latency and their ratios."""
+    out = []
+    for strategy in dict.fromkeys(r.strategy for r in runs):
+        doc: dict[str, Any] = {"strategy": strategy}
+        for run in (r for r in runs if r.strategy == strategy):
+            doc[run.mode] = {"reservations_per_s": run.reservations_per_s,
+                             "rejections_per_s": run.rejections_per_s,
+                             "p99_ms": run.latency_ms()["p99"],
+                             "held_p99_ms": run.latency_ms((HELD,))["p99"],
+                             "batch_sizes": run.batch_sizes()}
+        on, off = doc.get("batched"), doc.get("unbatched")
+        if on and off:
+            doc["batched_over_unbatched_reservations_per_s"] = _div(
+                on["reservations_per_s"], off["reservations_per_s"])
+            doc["batched_over_unbatched_p99"] = _div(on["p99_ms"], off["p99_ms"])
+        if on:
+            doc["rejections_over_batched_reservations_per_s"] = _div(
+                on["rejections_per_s"], on["reservations_per_s"])
+        out.append(doc)
     return out
 
 

@@ -7,10 +7,11 @@ Tests pass `before_check` to change the database between the run and the checks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -24,7 +25,8 @@ from ..errors import InvalidRequest
 from ..workers.base import run_forever
 from ..workers.replenisher import Replenisher
 from .buyers import Progress, drive
-from .http import HttpBuyer, HttpTarget, client_session, local_service
+from .http import HttpBuyer, HttpTarget, client_session, local_app
+from .meter import Reading, ServerMeter, Usage
 from .processes import drive_processes
 from .results import DbSnapshot, Ledger, RunResult
 from .scenario import Scenario, plan
@@ -57,26 +59,55 @@ def with_commit_mode(dsn: str, durable: bool) -> str:
 async def run_scenario(dsn: str, scenario: Scenario, *, progress: Progress | None = None,
                        before_check: BeforeCheck | None = None,
                        http: HttpTarget | None = None) -> list[RunResult]:
-    """Run each of the scenario's strategies in turn on the same server.
+    """Run each of the scenario's strategies in turn on the same server, each once per
+    batching mode of the scenario (batched first), on a fresh tenant each time.
 
-    `http` sends the buyers' calls through the HTTP API instead of the library.
+    `http` sends the buyers' calls through the HTTP API instead of the library; a
+    running service (`http.url`) runs once per strategy, with its own setting.
+    Progress is reported under each run's label (`run_label`).
     """
     if http is not None and scenario.processes > 1:
         raise InvalidRequest("the HTTP target runs its buyers in one process", field="processes")
     results = []
-    for strategy in scenario.strategies:
-        results.append(await run_strategy(dsn, scenario, strategy, progress=progress,
-                                          before_check=before_check, http=http))
+    for strategy, batching in runs_of(scenario, http):
+        results.append(await run_strategy(dsn, scenario, strategy, batching=batching,
+                                          progress=progress, before_check=before_check,
+                                          http=http))
     return results
 
 
+def runs_of(scenario: Scenario, http: HttpTarget | None = None) -> list[tuple[str, bool | None]]:
+    """(strategy, batching) of each run, in order; batching None: a running service's own."""
+    if http is not None and http.url is not None:
+        return [(strategy, None) for strategy in scenario.strategies]
+    return [(strategy, batching) for strategy in scenario.strategies
+            for batching in scenario.batching]
+
+
+def run_label(strategy: str, batching: bool | None) -> str:
+    return f"{strategy} {'service' if batching is None else 'batched' if batching else 'unbatched'}"
+
+
 async def run_strategy(dsn: str, scenario: Scenario, strategy: str, *,
+                       batching: bool | None = True,
                        progress: Progress | None = None,
                        before_check: BeforeCheck | None = None,
                        http: HttpTarget | None = None) -> RunResult:
-    """One strategy: a fresh tenant and buckets, the buyers, a final sweep, then the checks."""
+    """One strategy: a fresh tenant and buckets, the buyers, a final sweep, then the checks.
+
+    `batching`: the buyers' ReservationService (or the API server the bench starts)
+    batches one-line requests through its combiner, or sends each on its own."""
     dsn = with_commit_mode(dsn, scenario.durable)
     requests = plan(scenario)
+    label = run_label(strategy, batching)
+    step: Progress | None = None
+    if progress is not None:
+        report = progress
+
+        def step(_strategy: str, n: int) -> None:
+            report(label, n)
+    progress = step
+    batched = batching is not False
     async with Database(dsn, min_size=1, max_size=3, application_name=ADMIN_APP) as admin:
         service = ReservationService(admin)
         api_key: str | None = None
@@ -95,9 +126,12 @@ async def run_strategy(dsn: str, scenario: Scenario, strategy: str, *,
         await admin.fetch(queries["stats_flush"])
         await asyncio.sleep(0.05)
         before = await _snapshot(dsn)
+        meter = await ServerMeter.open(dsn)
+        readings: list[Reading] = [await meter.read()]
 
         stop_watch = asyncio.Event()
         watch = asyncio.create_task(_watch_dead_tuples(dsn, stop_watch))
+        sampling = asyncio.create_task(meter.sample_until(stop_watch, readings))
         # As deployed: `pgreserve worker` keeps the pools above their
         # low-water mark while buyers take (refilling inline only when dry).
         # A running service (--url) has its own workers.
@@ -109,7 +143,8 @@ async def run_strategy(dsn: str, scenario: Scenario, strategy: str, *,
         if http is None and scenario.processes > 1:
             try:
                 result = await drive_processes(dsn, service, tenant.id, scenario, strategy,
-                                               requests, progress, BUYERS_APP)
+                                               requests, progress, BUYERS_APP,
+                                               batching=batched)
             finally:
                 stop_watch.set()
                 peak = await watch
@@ -117,8 +152,9 @@ async def run_strategy(dsn: str, scenario: Scenario, strategy: str, *,
             buyers_db = Database(dsn, min_size=scenario.buyers, max_size=scenario.buyers,
                                  application_name=BUYERS_APP)
             await buyers_db.open()
+            buyers_service = ReservationService(buyers_db, batching=batched)
             try:
-                result = await drive(ReservationService(buyers_db), service, tenant.id,
+                result = await drive(buyers_service, service, tenant.id,
                                       scenario, strategy, requests, progress)
             finally:
                 await buyers_db.close()
@@ -126,10 +162,13 @@ async def run_strategy(dsn: str, scenario: Scenario, strategy: str, *,
                 peak = await watch
             result.client_stats = {f"client_{k}": v
                                    for k, v in asdict(buyers_db.stats).items()}
+            if buyers_service.combiner is not None:
+                result.batch = buyers_service.combiner.stats
         else:
             assert api_key is not None  # noqa: S101 - both http branches above set it
+            api: list[Any] = []
             try:
-                async with _api(dsn, http, scenario.buyers) as url, \
+                async with _api(dsn, http, scenario.buyers, batched, api) as url, \
                         client_session(scenario.buyers) as session:
                     result = await drive(HttpBuyer(session, url, api_key), service, tenant.id,
                                           scenario, strategy, requests, progress)
@@ -137,6 +176,10 @@ async def run_strategy(dsn: str, scenario: Scenario, strategy: str, *,
                 stop_watch.set()
                 peak = await watch
             result.target = "http"
+            combiner = getattr(getattr(api[0].state, "service", None), "combiner", None) \
+                if api else None
+            result.batch = combiner.stats if combiner is not None else None
+        result.batching = batching
         if refilling is not None and replenisher is not None:
             await refilling
             result.background_refills = replenisher.refills
@@ -145,6 +188,12 @@ async def run_strategy(dsn: str, scenario: Scenario, strategy: str, *,
         await _settle_expiries(service, scenario, result)
         await _wait_backends_gone(dsn)
         result.db_before, result.db_after = before, await _settled_snapshot(dsn)
+        await sampling
+        readings.append(await meter.read())
+        await meter.close()
+        sellout = result.sellout_s
+        result.usage = Usage.measure(meter.source, readings, result.t0,
+                                     None if sellout is None else result.t0 + sellout)
 
         if before_check is not None:
             await before_check(CheckContext(dsn, tenant.id, strategy))
@@ -154,12 +203,16 @@ async def run_strategy(dsn: str, scenario: Scenario, strategy: str, *,
 
 
 @asynccontextmanager
-async def _api(dsn: str, http: HttpTarget, buyers: int) -> AsyncIterator[str]:
-    """The API's base URL: the given one, or a server started here for the run."""
+async def _api(dsn: str, http: HttpTarget, buyers: int, batching: bool,
+               apps: list[Any]) -> AsyncIterator[str]:
+    """The API's base URL: the given one, or a server started here for the run (its app
+    is appended to `apps`)."""
     if http.url is not None:
         yield http.url
         return
-    async with local_service(dsn, pool_size=buyers, application_name=BUYERS_APP) as url:
+    async with local_app(dsn, pool_size=buyers, application_name=BUYERS_APP,
+                         batching=batching) as (url, app):
+        apps.append(app)
         yield url
 
 
@@ -236,7 +289,7 @@ async def _watch_dead_tuples(dsn: str, stop: asyncio.Event, every_s: float = 0.5
             cur = await conn.execute(queries["pool_partition_dead_tuples"])
             row = await cur.fetchone()
             peak = max(peak, int(row[0]) if row else 0)
-            with suppress(TimeoutError):
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), every_s)
     return peak
 

@@ -40,6 +40,9 @@ class Scenario:
     expire_ttl_s: float = 1.0
     hold_ttl_s: float = 900.0
     strategies: tuple[str, ...] = ("row",)
+    batching: tuple[bool, ...] = (True,)
+    """Each strategy runs once per mode: True batches one-line requests through the
+    service's per-bucket combiner (group commit), False sends each on its own."""
     pool_cap: int = 1_000
     replenish: bool = True
     """Run the background replenisher during pool runs, as `pgreserve worker` does."""
@@ -73,6 +76,9 @@ class Scenario:
             raise InvalidRequest(f"strategies must be a non-empty subset of {STRATEGIES}")
         if len(set(self.strategies)) != len(self.strategies):
             raise InvalidRequest("strategies must not repeat")
+        if not self.batching or any(not isinstance(b, bool) for b in self.batching) \
+                or len(set(self.batching)) != len(self.batching):
+            raise InvalidRequest("batching must be a non-empty tuple of distinct booleans")
 
     @classmethod
     def long_run(cls, takes: int, **overrides: Any) -> Scenario:
@@ -95,6 +101,7 @@ class Scenario:
     def to_dict(self) -> dict[str, Any]:
         doc = asdict(self)
         doc["strategies"] = list(self.strategies)
+        doc["batching"] = list(self.batching)
         return doc
 
 

@@ -52,3 +52,15 @@ SELECT count(*) FILTER (WHERE status = 'succeeded'),
 -- literals filled in bench/server.py.
 \set r random(1, 9000000000000000000)
 SELECT reserve_v1({tenant}, {key_prefix} || :client_id || '-' || :r, 'pgbench', {skus}::text[], {locations}::text[], {quantities}::integer[], '15 minutes'::interval);
+
+-- name: server_usage_read
+-- This session's backend pid (its parent is the postmaster), the WAL position in
+-- bytes (live), and pg_stat_wal's wal_bytes (flushed by each session at most once
+-- a second, and when it exits).
+SELECT pg_backend_pid(), pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint,
+ (SELECT wal_bytes FROM pg_stat_wal)::bigint;
+
+-- name: statement_time_read
+-- Milliseconds spent executing statements, all databases (the fallback when the
+-- server's processes are not visible in /proc).
+SELECT coalesce(sum(total_exec_time), 0)::float8 FROM pg_stat_statements;

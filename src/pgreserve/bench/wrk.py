@@ -1,0 +1,336 @@
+"""`pgreserve bench http`: holds through `serve --workers N`, sent by wrk, beside a bare endpoint.
+
+Both servers are started here the same way (uvicorn, the service's own
+settings from http/server.py: uvloop, httptools, N processes, factory app) on
+free 127.0.0.1 ports, one after the other, and wrk (the C load generator)
+sends the same request to each for the same time: `POST /v1/reservations`
+with a one-line cart, the tenant's API key and a fresh Idempotency-Key per
+request. The figure is the ratio: service holds/s over bare requests/s.
+
+CPU is read from /proc over wrk's run: the server's process tree (uvicorn's
+supervisor and workers), PostgreSQL's (when /proc shows it), and wrk's own
+(getrusage of the waited child).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..core.service import ReservationService
+from ..db.database import Database
+from ..db.queries import queries
+from ..errors import InvalidRequest
+from .http import free_port
+from .meter import ServerMeter, tree_cpu_s
+from .runner import read_ledger, violation_lines, with_commit_mode
+
+WRK_MISSING = ("wrk is not on PATH: `bench http` drives the servers with wrk, the C load "
+               "generator (Debian/Ubuntu: apt-get install wrk)")
+SKU, LOCATION = "sku-0", "wh-1"
+READY_TIMEOUT_S = 60.0
+
+# wrk's Lua: every thread counts its answers by status; done() prints one JSON line.
+LUA = r"""
+local threads = {}
+local counter = 0
+holds, rejected, other = 0, 0, 0
+
+function setup(thread)
+  thread:set("id", #threads)
+  table.insert(threads, thread)
+end
+
+function request()
+  counter = counter + 1
+  return wrk.format("POST", "/v1/reservations", {
+    ["Authorization"] = "Bearer " .. API_KEY,
+    ["Content-Type"] = "application/json",
+    ["Idempotency-Key"] = PREFIX .. id .. "-" .. counter,
+  }, BODY)
+end
+
+function response(status, headers, body)
+  if status == 201 then holds = holds + 1
+  elseif status == 409 then rejected = rejected + 1
+  else other = other + 1 end
+end
+
+function done(summary, latency, requests)
+  local h, r, o = 0, 0, 0
+  for _, t in ipairs(threads) do
+    h = h + t:get("holds"); r = r + t:get("rejected"); o = o + t:get("other")
+  end
+  local e = summary.errors
+  io.write(string.format('WRKJSON {"requests": %d, "duration_us": %d, "created": %d, ' ..
+    '"rejected": %d, "other_status": %d, "connect_errors": %d, "read_errors": %d, ' ..
+    '"write_errors": %d, "timeouts": %d, "p50_us": %d, "p90_us": %d, "p99_us": %d, ' ..
+    '"max_us": %d}\n', summary.requests, summary.duration, h, r, o, e.connect, e.read,
+    e.write, e.timeout, latency:percentile(50), latency:percentile(90),
+    latency:percentile(99), latency.max))
+end
+"""
+
+
+def wrk_path() -> str:
+    """wrk's path; InvalidRequest with what to install when it is missing."""
+    path = shutil.which("wrk")
+    if path is None:
+        raise InvalidRequest(WRK_MISSING)
+    return path
+
+
+@dataclass
+class Endpoint:
+    """One server's wrk run."""
+
+    name: str
+    url: str
+    requests: int = 0
+    duration_s: float = 0.0
+    created: int = 0  # 201 answers: holds (service) or requests (bare)
+    rejected: int = 0
+    other_status: int = 0
+    socket_errors: int = 0
+    latency_ms: dict[str, float] = field(default_factory=dict)
+    server_cpu_s: float | None = None  # the uvicorn supervisor and its workers
+    postgres_cpu_s: float | None = None
+    wrk_cpu_s: float | None = None
+
+    @property
+    def created_per_s(self) -> float | None:
+        return self.created / self.duration_s if self.duration_s > 0 else None
+
+    @property
+    def requests_per_s(self) -> float | None:
+        return self.requests / self.duration_s if self.duration_s > 0 else None
+
+    def cores(self, cpu: float | None) -> float | None:
+        return None if cpu is None or self.duration_s <= 0 else cpu / self.duration_s
+
+    def to_dict(self) -> dict[str, Any]:
+        doc = asdict(self)
+        doc["created_per_s"] = self.created_per_s
+        doc["requests_per_s"] = self.requests_per_s
+        doc["cores"] = {"server": self.cores(self.server_cpu_s),
+                        "postgres": self.cores(self.postgres_cpu_s),
+                        "wrk": self.cores(self.wrk_cpu_s)}
+        return doc
+
+
+@dataclass
+class HttpBench:
+    """Both endpoints, the books of the service's tenant and the ratio."""
+
+    bare: Endpoint
+    service: Endpoint
+    strategy: str
+    reservations: int = 0  # reservations of the tenant after the run (warm-up included)
+    commits: int = 0  # pg_stat_database xact_commit from the service's start to its stop
+    violations: list[str] = field(default_factory=list)
+    oversold: bool = False
+
+    @property
+    def ratio(self) -> float | None:
+        bare, held = self.bare.created_per_s, self.service.created_per_s
+        return held / bare if held is not None and bare else None
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations and not self.oversold
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bare": self.bare.to_dict(), "service": self.service.to_dict(),
+                "strategy": self.strategy,
+                "service_holds_over_bare_requests_per_s": self.ratio,
+                "reservations_in_database": self.reservations,
+                # every transaction, reads (API key, idempotency lookups) included
+                "commits_while_service_ran": self.commits,
+                "violations": self.violations, "invariants_ok": self.ok}
+
+
+def _script(api_key: str, prefix: str, quantity: int) -> str:
+    body = json.dumps({"lines": [{"sku": SKU, "location": LOCATION, "quantity": quantity}],
+                       "ttl_seconds": 900})
+    # json.dumps of a str is a valid Lua string literal for these ASCII values
+    return (f"API_KEY = {json.dumps(api_key)}\nPREFIX = {json.dumps(prefix)}\n"
+            f"BODY = {json.dumps(body)}\n{LUA}")
+
+
+def run_wrk(wrk: str, url: str, script: Path, *, threads: int, connections: int,
+            seconds: float) -> tuple[dict[str, Any], float]:
+    """wrk's JSON line and its CPU seconds (getrusage of the waited child)."""
+    before = _children_cpu_s()
+    argv = [wrk, f"-t{threads}", f"-c{connections}", f"-d{max(1, round(seconds))}s",
+            "--timeout", "10s", "-s", str(script), url]
+    # argv built here, with the wrk found on PATH
+    done = subprocess.run(argv, capture_output=True, text=True,  # noqa: S603
+                          timeout=seconds + 60, check=False)
+    cpu = _children_cpu_s() - before
+    for line in done.stdout.splitlines():
+        if line.startswith("WRKJSON "):
+            return json.loads(line[len("WRKJSON "):]), cpu
+    raise InvalidRequest(f"wrk gave no figures (exit {done.returncode}): "
+                         f"{(done.stderr or done.stdout).strip()[:400]}")
+
+
+def _children_cpu_s() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+class Server:
+    """A server process started here (its own process group), stopped by its pid."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.log = log
+        with log.open("wb") as out:
+            # our own server's argv
+            self.proc = subprocess.Popen(argv, env=env, stdout=out,  # noqa: S603
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+
+    def wait_ready(self, url: str) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise InvalidRequest(f"the server exited with code {self.proc.returncode}: "
+                                     f"{self.log.read_text(errors='replace')[-800:]}")
+            try:
+                # an http:// loopback URL this module built
+                with urllib.request.urlopen(url + "/healthz", timeout=2) as answer:  # noqa: S310
+                    if answer.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.1)
+        raise InvalidRequest(f"the server did not answer {url}/healthz in {READY_TIMEOUT_S} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # its own group: its workers
+                self.proc.wait(10)
+
+
+def service_argv(dsn: str, port: int, workers: int) -> list[str]:
+    """`pgreserve serve --workers N` on 127.0.0.1:port over the given database."""
+    return [sys.executable, "-c", "from pgreserve.cli import main; main()", "serve",
+            "--workers", str(workers), "--host", "127.0.0.1", "--port", str(port),
+            "--database-url", dsn]
+
+
+def bare_argv(port: int, workers: int) -> list[str]:
+    """The bare app under uvicorn.run with the options `serve --workers N` uses."""
+    code = ("import uvicorn\nfrom pgreserve.http.server import workers_options\n"
+            f"options = workers_options('127.0.0.1', {port}, {workers})\n"
+            "options['app'] = 'pgreserve.bench.bare:create_app'\nuvicorn.run(**options)\n")
+    return [sys.executable, "-c", code]
+
+
+async def run_http_bench(dsn: str, *, strategy: str, units: int, pool_cap: int,
+                         workers: int, threads: int, connections: int, seconds: float,
+                         warmup: float, durable: bool, quantity: int = 1) -> HttpBench:
+    """Seed a fresh tenant, run wrk against the bare app then the service, check the books."""
+    wrk = wrk_path()
+    dsn = with_commit_mode(dsn, durable)
+    work = Path(tempfile.mkdtemp(prefix="pgreserve-bench-http-"))
+    try:
+        async with Database(dsn, min_size=1, max_size=2,
+                            application_name="pgreserve:bench-admin") as admin:
+            service = ReservationService(admin)
+            tenant, key = await service.create_tenant_with_key(
+                f"bench-http-{uuid.uuid4().hex[:12]}")
+            await service.set_stock(tenant.id, SKU, LOCATION, units, strategy=strategy,
+                                    pool_cap=pool_cap if strategy == "pool" else None)
+            script = work / "holds.lua"
+            script.write_text(_script(key, f"h{uuid.uuid4().hex[:8]}-", quantity))
+            env = {**os.environ}
+            env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+            bare_port, service_port = free_port(), free_port()
+            bare = Endpoint("bare FastAPI", f"http://127.0.0.1:{bare_port}")
+            held = Endpoint(f"pgreserve serve --workers {workers}",
+                            f"http://127.0.0.1:{service_port}")
+            meter = await ServerMeter.open(dsn)
+            result = HttpBench(bare, held, strategy)
+            try:
+                for endpoint, argv in ((bare, bare_argv(bare_port, workers)),
+                                       (held, service_argv(dsn, service_port, workers))):
+                    commits = await _commits(admin)
+                    server = Server(argv, env, work / f"{endpoint.url[-5:]}.log")
+                    try:
+                        await asyncio.to_thread(server.wait_ready, endpoint.url)
+                        if warmup > 0:
+                            await asyncio.to_thread(run_wrk, wrk, endpoint.url, script,
+                                                    threads=threads, connections=connections,
+                                                    seconds=warmup)
+                        pg0 = await meter.read()
+                        cpu0 = tree_cpu_s(server.proc.pid)
+                        doc, wrk_cpu = await asyncio.to_thread(
+                            run_wrk, wrk, endpoint.url, script, threads=threads,
+                            connections=connections, seconds=seconds)
+                        cpu1 = tree_cpu_s(server.proc.pid)
+                        pg1 = await meter.read()
+                    finally:
+                        await asyncio.to_thread(server.stop)
+                    if endpoint is held:  # its sessions flush their counters as they exit
+                        await _backends_gone(admin, "pgreserve:api")
+                        result.commits = await _commits(admin) - commits
+                    _fill(endpoint, doc, wrk_cpu)
+                    endpoint.server_cpu_s = None if cpu0 is None or cpu1 is None \
+                        else cpu1 - cpu0
+                    endpoint.postgres_cpu_s = None if pg0.server_cpu_s is None \
+                        or pg1.server_cpu_s is None else pg1.server_cpu_s - pg0.server_cpu_s
+            finally:
+                await meter.close()
+            book = await read_ledger(admin, tenant.id)
+            result.reservations = book.reservations
+            result.oversold = book.held > units
+            result.violations = await violation_lines(service, tenant.id)
+        return result
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+async def _commits(admin: Database) -> int:
+    rows = await admin.fetch(queries["database_transaction_stats"])
+    return int(rows[0][1])
+
+
+async def _backends_gone(admin: Database, application_name: str, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        rows = await admin.fetch(queries["backend_count"], (application_name,))
+        if not rows[0][0]:
+            return
+        await asyncio.sleep(0.1)
+
+
+def _fill(endpoint: Endpoint, doc: dict[str, Any], wrk_cpu: float) -> None:
+    endpoint.requests = int(doc["requests"])
+    endpoint.duration_s = int(doc["duration_us"]) / 1e6
+    endpoint.created = int(doc["created"])
+    endpoint.rejected = int(doc["rejected"])
+    endpoint.other_status = int(doc["other_status"])
+    endpoint.socket_errors = sum(int(doc[k]) for k in ("connect_errors", "read_errors",
+                                                       "write_errors", "timeouts"))
+    endpoint.latency_ms = {k: int(doc[f"{k}_us"]) / 1000.0 for k in ("p50", "p90", "p99", "max")}
+    endpoint.wrk_cpu_s = wrk_cpu
