@@ -21,7 +21,7 @@ async def wait_until_blocked(dsn: str, count: int = 1) -> None:
             n = conn.execute(
                 "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
                 " AND application_name = 'pgreserve:core' AND wait_event_type = 'Lock'"
-            ).fetchone()[0]  # type: ignore[index]
+            ).fetchone()[0]  # type: ignore[index]  # the query always returns one row
             if n >= count:
                 return
             await asyncio.sleep(0.01)
@@ -32,7 +32,7 @@ def deadlocks(dsn: str) -> int:
     with psycopg.connect(dsn, autocommit=True) as conn:
         return int(conn.execute(
             "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
-        ).fetchone()[0])  # type: ignore[index]
+        ).fetchone()[0])  # type: ignore[index]  # the query always returns one row
 
 
 def reserve_sql(tenant: int, key: str, sku: str, loc: str, qty: int) -> tuple[str, tuple[object, ...]]:
@@ -75,7 +75,7 @@ async def test_competing_shortage_with_paused_first(
     await service.set_stock(tenant.id, "s", "w", 10, strategy=strategy)
     sql, params = reserve_sql(tenant.id, "A", "s", "w", first_qty)
     with psycopg.connect(dsn) as first:
-        outcome = first.execute(sql, params).fetchone()[0]  # type: ignore[index]
+        outcome = first.execute(sql, params).fetchone()[0]  # type: ignore[index]  # the query always returns one row
         assert outcome["status"] == "held"
         second = asyncio.create_task(service.reserve(tenant.id, "B", [("s", "w", second_qty)]))
         await wait_until_blocked(dsn)
@@ -172,7 +172,7 @@ async def test_lost_reply_after_commit_is_recovered_by_key(
     with psycopg.connect(dsn) as conn:
         stored = conn.execute(
             "SELECT outcome->'reservation'->>'id' FROM request_ledger WHERE request_key = 'A'"
-        ).fetchone()[0]  # type: ignore[index]
+        ).fetchone()[0]  # type: ignore[index]  # the query always returns one row
     retry = await service.reserve(tenant.id, "A", [("s", "w", 7)])
     assert retry.replayed and retry.reservation is not None
     assert retry.reservation.id == stored

@@ -76,8 +76,8 @@ async def test_adjustment_replay(api: ApiTenant) -> None:
     """A repeated adjustment applies once and replays its first answer byte-for-byte."""
     await put_stock(api, "s", 5)
     args = {"json": {"delta": 2, "reason": "receipt"}, "headers": {"Idempotency-Key": "a"}}
-    first = await api.client.post("/v1/stock/wh/s/adjustments", **args)  # type: ignore[arg-type]
-    again = await api.client.post("/v1/stock/wh/s/adjustments", **args)  # type: ignore[arg-type]
+    first = await api.client.post("/v1/stock/wh/s/adjustments", **args)  # type: ignore[arg-type]  # httpx's keyword types; args is built above
+    again = await api.client.post("/v1/stock/wh/s/adjustments", **args)  # type: ignore[arg-type]  # httpx's keyword types; args is built above
     assert first.status_code == again.status_code == 200
     assert again.content == first.content and again.headers["idempotent-replayed"] == "true"
     assert (await api.client.get("/v1/stock/wh/s")).json()["on_hand"] == 7

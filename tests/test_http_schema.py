@@ -49,7 +49,7 @@ def served(dsn: str, api_dsn: tuple[str, int | None]) -> Iterator[tuple[Any, dic
     key = apikeys.new_key()
     with psycopg.connect(dsn, autocommit=True) as conn:
         tenant = conn.execute("SELECT tenant_create_v1('acme', %s)",
-                              (apikeys.hash_key(key),)).fetchone()[0]  # type: ignore[index]
+                              (apikeys.hash_key(key),)).fetchone()[0]  # type: ignore[index]  # the query always returns one row
         conn.execute("SELECT stock_set_v1(%s, 'sku-1', 'wh', 100, NULL, false, NULL, NULL)",
                      (tenant,))
     with Served(*api_dsn) as srv:
@@ -92,7 +92,7 @@ def test_stateful_links_create_then_claim_release_get(
     """Chains along the schema's links (create -> get/claim/release/extend) never get a 5xx and match the schema."""
     base_url, headers = served
 
-    class Workflow(schema.as_state_machine()):  # type: ignore[misc]
+    class Workflow(schema.as_state_machine()):  # type: ignore[misc]  # schemathesis builds the base class at run time
         def get_call_kwargs(self, case: schemathesis.Case[Any]) -> dict[str, Any]:
             return {"base_url": base_url, "headers": headers}
 

@@ -103,7 +103,7 @@ async def test_ops_page_in_chromium_shows_the_database_figures(
     with psycopg.connect(dsn, autocommit=True) as conn:
         pool, held, on_hand = conn.execute(
             "SELECT (SELECT count(*) FROM stock_unit), (SELECT sum(quantity) FROM"
-            " reservation_line WHERE held), (SELECT on_hand FROM stock_bucket)").fetchone()  # type: ignore[misc]
+            " reservation_line WHERE held), (SELECT on_hand FROM stock_bucket)").fetchone()  # type: ignore[misc]  # the query always returns one row
         states: dict[str, int] = dict(conn.execute("SELECT status, count(*) FROM reservation GROUP BY 1")
                       .fetchall())
     with Served(dsn) as srv:

@@ -16,7 +16,7 @@ from pgreserve.workers.replenisher import Replenisher, ReplenisherConfig
 
 def pool_size(dsn: str) -> int:
     with psycopg.connect(dsn) as conn:
-        return int(conn.execute("SELECT count(*) FROM stock_unit").fetchone()[0])  # type: ignore[index]
+        return int(conn.execute("SELECT count(*) FROM stock_unit").fetchone()[0])  # type: ignore[index]  # the query always returns one row
 
 
 async def test_short_pool_never_grants_a_partial_line(dsn: str) -> None:
@@ -165,12 +165,12 @@ async def test_buyers_waiting_for_a_refill_are_let_through_together(dsn: str) ->
             bucket, pool = probe.execute(
                 "SELECT b.bucket_id, (SELECT count(*) FROM stock_unit u WHERE u.tenant_id ="
                 " b.tenant_id AND u.bucket_id = b.bucket_id) FROM stock_bucket b"
-                " WHERE tenant_id = %s", (tenant.id,)).fetchone()  # type: ignore[misc]
+                " WHERE tenant_id = %s", (tenant.id,)).fetchone()  # type: ignore[misc]  # the query always returns one row
             assert pool == 0
             with psycopg.connect(dsn) as refiller:
                 refiller.execute("SELECT 1 FROM stock_bucket WHERE tenant_id = %s AND"
                                  " bucket_id = %s FOR NO KEY UPDATE", (tenant.id, bucket))
-                xid = refiller.execute("SELECT pg_current_xact_id()::text").fetchone()[0]  # type: ignore[index]
+                xid = refiller.execute("SELECT pg_current_xact_id()::text").fetchone()[0]  # type: ignore[index]  # the query always returns one row
                 buyers = [asyncio.create_task(service.reserve(tenant.id, f"b{i}",
                                                               [("s", "w", 1)]))
                           for i in range(8)]
@@ -178,13 +178,13 @@ async def test_buyers_waiting_for_a_refill_are_let_through_together(dsn: str) ->
                     "SELECT count(*) FILTER (WHERE locktype = 'transactionid'"
                     " AND transactionid::text = %s), count(*) FROM pg_locks WHERE NOT granted")
                 for _ in range(200):
-                    on_refiller, all_waits = probe.execute(waiting, (xid,)).fetchone()  # type: ignore[misc]
+                    on_refiller, all_waits = probe.execute(waiting, (xid,)).fetchone()  # type: ignore[misc]  # the query always returns one row
                     if all_waits >= 8:
                         break
                     await asyncio.sleep(0.02)
                 assert (on_refiller, all_waits) == (8, 8)
                 added = refiller.execute("SELECT pool_refill_v1(%s, %s)",
-                                         (tenant.id, bucket)).fetchone()[0]  # type: ignore[index]
+                                         (tenant.id, bucket)).fetchone()[0]  # type: ignore[index]  # the query always returns one row
                 assert added == 10
                 refiller.commit()
             outs = await asyncio.gather(*buyers)
@@ -219,7 +219,7 @@ async def test_a_short_take_gives_up_only_the_expired_holds_it_needs(dsn: str,
             assert out.held
             still_expired = conn.execute(
                 "SELECT count(*) FROM reservation_line WHERE tenant_id = %s AND held"
-                " AND expires_at <= clock_timestamp()", (tenant.id,)).fetchone()[0]  # type: ignore[index]
+                " AND expires_at <= clock_timestamp()", (tenant.id,)).fetchone()[0]  # type: ignore[index]  # the query always returns one row
         # one batch of 500 lines covers the row take (1 unit) and the refill (1 + cap 100)
         assert still_expired == 2500
         view = await service.get_stock(tenant.id, "s", "w")

@@ -35,8 +35,8 @@ class Delivery:
     status: int
 
     @property
-    def doc(self) -> dict:  # type: ignore[type-arg]
-        return json.loads(self.body)  # type: ignore[no-any-return]
+    def doc(self) -> dict:  # type: ignore[type-arg]  # a JSON document of the test's own
+        return json.loads(self.body)  # type: ignore[no-any-return]  # a JSON document of the test's own
 
 
 @dataclass

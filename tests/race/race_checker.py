@@ -463,11 +463,11 @@ class RaceRun:
                     cur = await conn.execute(
                         "SELECT strategy, pool_lo, pool_hi FROM stock_bucket"
                         " WHERE tenant_id = %s AND bucket_id = %s", (self.tenant, bucket))
-                    strategy, lo, hi = await cur.fetchone()  # type: ignore[misc]
+                    strategy, lo, hi = await cur.fetchone()  # type: ignore[misc]  # the query always returns one row
                     cur = await conn.execute(
                         "SELECT ok FROM bucket_take_v1(%s, %s, %s, clock_timestamp(), %s, %s, %s)",
                         (self.tenant, bucket, qty, strategy, lo, hi))
-                    ok = (await cur.fetchone())[0]  # type: ignore[index]
+                    ok = (await cur.fetchone())[0]  # type: ignore[index]  # the query always returns one row
                     await self.pause(rng, 0.02, 0.15)
                     if ok:
                         await conn.rollback()
@@ -500,7 +500,7 @@ class RaceRun:
                     cur = await conn.execute(
                         "SELECT reserve_v1(%s, %s, %s, %s, %s, %s, %s)",
                         (self.tenant, key, fp, [sku], [LOC], [q], timedelta(seconds=ttl)))
-                    doc = (await cur.fetchone())[0]  # type: ignore[index]
+                    doc = (await cur.fetchone())[0]  # type: ignore[index]  # the query always returns one row
                     await self.pause(rng, 0.02, 0.15)
                     if rng.random() < 0.3:
                         await conn.rollback()
@@ -933,7 +933,7 @@ class RaceRun:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             self.report.deadlocks_server = int(conn.execute(
                 "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
-            ).fetchone()[0])  # type: ignore[index]
+            ).fetchone()[0])  # type: ignore[index]  # the query always returns one row
         text = self.rs.log.read_text(errors="replace")[log_from:] if self.rs.log.exists() else ""
         self.report.deadlocks_logged, with_sweeper = sweeper_deadlocks(text)
         self.report.deadlocks_with_sweeper = with_sweeper

@@ -102,7 +102,7 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     )
     for router in ROUTERS:
         app.include_router(router)
-    app.openapi = functools.partial(openapi_schema, app)  # type: ignore[method-assign]
+    app.openapi = functools.partial(openapi_schema, app)  # type: ignore[method-assign]  # FastAPI's documented way to override the schema
     state = app.state
     state.metrics = metrics
     state.inflight = InFlight()

@@ -49,15 +49,15 @@ def service(request: Request) -> ReservationService:
     svc = getattr(request.app.state, "service", None)
     if svc is None:
         raise problems.Unavailable("the database pool is not open")
-    return svc  # type: ignore[no-any-return]
+    return svc  # type: ignore[no-any-return]  # app.state is untyped
 
 
 def in_flight(request: Request) -> InFlight:
-    return request.app.state.inflight  # type: ignore[no-any-return]
+    return request.app.state.inflight  # type: ignore[no-any-return]  # app.state is untyped
 
 
 def metrics(request: Request) -> ApiMetrics:
-    return request.app.state.metrics  # type: ignore[no-any-return]
+    return request.app.state.metrics  # type: ignore[no-any-return]  # app.state is untyped
 
 
 _bearer = HTTPBearer(auto_error=False, description="An API key from `pgreserve tenant create`")
