@@ -116,8 +116,9 @@ class ReservationService:
         self.clock = clock
         self.observer = observer
         self.combiner = Combiner(db, batch_config, clock=clock) if batching else None
-        # Buckets are never deleted and their ids never change: cache the lookups.
-        self._bucket_ids: dict[tuple[int, str, str], int] = {}
+        # Buckets are never deleted and their ids never change: cache the lookups
+        # (at most 100,000; the oldest entry goes first, and is looked up again if needed).
+        self._bucket_ids: OrderedDict[tuple[int, str, str], int] = OrderedDict()
         # The bucket of the one-line reservations this process created (most recent).
         self._reservation_buckets: OrderedDict[tuple[int, uuid.UUID], int] = OrderedDict()
 
@@ -522,6 +523,8 @@ class ReservationService:
             if not rows:
                 return None
             found = self._bucket_ids[(tenant, sku, location)] = int(rows[0][0])
+            if len(self._bucket_ids) > _REMEMBERED_BUCKETS:
+                self._bucket_ids.popitem(last=False)
         return found
 
     async def _reservation_bucket(self, tenant: int, rid: uuid.UUID) -> int | None:
@@ -560,6 +563,7 @@ class ReservationService:
 
 
 _REMEMBERED_RESERVATIONS = 100_000
+_REMEMBERED_BUCKETS = 100_000
 
 
 def _batch_answer(answer: dict[str, Any]) -> dict[str, Any] | None:
