@@ -154,11 +154,9 @@ BEGIN
             IF (v_units + v_free < v_q OR (b.strategy = 'pool' AND v_units < v_q))
                AND NOT v_looked THEN
                 v_looked := true;
-                SELECT * INTO v_units, v_free, v_others
+                SELECT * INTO v_units, v_free, v_others, v_shortfall
                 FROM bucket_batch_look_v1(p_tenant, p_bucket, b.strategy, b.pool_cap, v_now,
                                           i, p_kinds, p_quantities, v_units, v_free, r_ids);
-                SELECT shortfall INTO v_shortfall FROM stock_bucket
-                WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
             END IF;
             IF v_units + v_free >= v_q THEN
                 -- pool units first, then free (a refill's direct units)
@@ -229,12 +227,10 @@ BEGIN
                     -- given up at expiry: take the units again, or fail the claim
                     IF v_units + v_free < v_q AND NOT v_looked THEN
                         v_looked := true;
-                        SELECT * INTO v_units, v_free, v_others
+                        SELECT * INTO v_units, v_free, v_others, v_shortfall
                         FROM bucket_batch_look_v1(p_tenant, p_bucket, b.strategy, b.pool_cap,
                                                   v_now, i, p_kinds, p_quantities, v_units,
                                                   v_free, r_ids);
-                        SELECT shortfall INTO v_shortfall FROM stock_bucket
-                        WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
                     END IF;
                     IF v_units + v_free < v_q THEN
                         IF v_others THEN
@@ -415,29 +411,17 @@ CREATE OR REPLACE FUNCTION bucket_batch_look_v1(p_tenant bigint, p_bucket bigint
                                                 p_from integer, p_kinds text[],
                                                 p_quantities integer[],
                                                 INOUT units bigint, INOUT free bigint,
-                                                p_skip uuid[], OUT others boolean)
+                                                p_skip uuid[], OUT others boolean,
+                                                OUT shortfall bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
     v_demand bigint;
-    v_got bigint;
 BEGIN
     SELECT coalesce(sum(p_quantities[x]), 0) INTO v_demand
     FROM generate_series(p_from, cardinality(p_kinds)) AS x WHERE p_kinds[x] = 'reserve';
     v_demand := greatest(v_demand, 1);
     IF p_strategy = 'pool' AND units < v_demand THEN
-        WITH picked AS (
-            SELECT unit_id FROM stock_unit
-            WHERE tenant_id = p_tenant AND bucket_id = p_bucket
-            ORDER BY unit_id LIMIT v_demand - units
-            FOR UPDATE SKIP LOCKED
-        ), gone AS (
-            DELETE FROM stock_unit u USING picked
-            WHERE u.tenant_id = p_tenant AND u.bucket_id = p_bucket
-              AND u.unit_id = picked.unit_id
-            RETURNING 1
-        )
-        SELECT count(*) INTO v_got FROM gone;
-        units := units + v_got;
+        units := units + pool_units_delete_v1(p_tenant, p_bucket, v_demand - units);
     END IF;
     IF units + free < v_demand THEN
         -- a pool bucket's for the batch and a full pool, as an inline refill's
@@ -446,6 +430,9 @@ BEGIN
             v_demand - units - free + CASE WHEN p_strategy = 'pool' THEN p_cap ELSE 0 END,
             p_skip);
     END IF;
+    -- the give-up may have paid some of it back
+    SELECT b.shortfall INTO shortfall FROM stock_bucket b
+    WHERE b.tenant_id = p_tenant AND b.bucket_id = p_bucket;
     others := EXISTS (SELECT 1 FROM stock_unit u
                       WHERE u.tenant_id = p_tenant AND u.bucket_id = p_bucket)
               OR EXISTS (SELECT 1 FROM reservation_line l

@@ -46,19 +46,7 @@ BEGIN
             FOR UPDATE SKIP LOCKED) s;
         locked := v_picked + v_more;
         IF locked = p_qty THEN
-            WITH picked AS (
-                SELECT unit_id FROM stock_unit
-                WHERE tenant_id = p_tenant AND bucket_id = p_bucket
-                ORDER BY unit_id
-                LIMIT p_qty
-                FOR UPDATE SKIP LOCKED
-            ), taken AS (
-                DELETE FROM stock_unit u USING picked
-                WHERE u.tenant_id = p_tenant AND u.bucket_id = p_bucket
-                  AND u.unit_id = picked.unit_id
-                RETURNING 1
-            )
-            SELECT count(*) INTO locked FROM taken;
+            locked := pool_units_delete_v1(p_tenant, p_bucket, p_qty);
         END IF;
         RETURN;
     END IF;
@@ -80,6 +68,26 @@ BEGIN
     END IF;
     locked := cardinality(units);
 END $$;
+
+-- Delete up to p_max of a bucket's pool units that this transaction can lock
+-- (its own locks included; others' skipped), lowest ids first. Returns how many.
+CREATE OR REPLACE FUNCTION pool_units_delete_v1(p_tenant bigint, p_bucket bigint,
+                                                p_max bigint)
+RETURNS integer LANGUAGE sql AS $$
+    WITH picked AS (
+        SELECT unit_id FROM stock_unit
+        WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+        ORDER BY unit_id
+        LIMIT p_max
+        FOR UPDATE SKIP LOCKED
+    ), taken AS (
+        DELETE FROM stock_unit u USING picked
+        WHERE u.tenant_id = p_tenant AND u.bucket_id = p_bucket
+          AND u.unit_id = picked.unit_id
+        RETURNING 1
+    )
+    SELECT count(*)::integer FROM taken
+$$;
 
 CREATE OR REPLACE FUNCTION pool_replenish_v1(p_tenant bigint, p_bucket bigint, p_need integer,
                                   p_now timestamptz,
