@@ -19,8 +19,11 @@ def text_array(values: Iterable[str]) -> str:
     Quoted elements keep their spaces and braces and are never read as NULL.
     NUL characters are refused before this is called (PostgreSQL text cannot hold them).
     """
-    return "{" + ",".join(
-        '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"' for v in values) + "}"
+    return "{" + ",".join(_quoted(v) for v in values) + "}"
+
+
+def _quoted(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def int_array(values: Iterable[int]) -> str:
@@ -35,9 +38,7 @@ def interval(value: timedelta) -> str:
 
 def nullable_text_array(values: Iterable[str | None]) -> str:
     """`{"a",NULL}`: like text_array, with None as an SQL NULL element."""
-    return "{" + ",".join(
-        "NULL" if v is None else '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        for v in values) + "}"
+    return "{" + ",".join("NULL" if v is None else _quoted(v) for v in values) + "}"
 
 
 def nullable_int_array(values: Iterable[int | None]) -> str:
