@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import Coroutine
 from typing import Any
@@ -16,23 +15,13 @@ from pgreserve import Database, ReservationService, Tenant
 from pgreserve.core.batching import BatchConfig, BatchRequest, Combiner
 from pgreserve.core.service import digest
 from pgreserve.errors import Busy, IdempotencyKeyReused, ReservationClaimed
+from test_concurrency import wait_until_blocked
 
 
 async def bucket_id(db: Database, tenant: int, sku: str) -> int:
     rows = await db.fetch("SELECT bucket_id FROM stock_bucket WHERE tenant_id = %s AND sku = %s",
                           (tenant, sku))
     return int(rows[0][0])
-
-
-def wait_for_lock_waiters(dsn: str, count: int) -> None:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for _ in range(500):
-            row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname ="
-                               " current_database() AND wait_event_type = 'Lock'").fetchone()
-            if row is not None and row[0] >= count:
-                return
-            time.sleep(0.01)
-    raise AssertionError("no request ever waited on the lock")
 
 
 async def test_concurrent_buyers_share_batches_and_each_gets_its_answer(
@@ -71,7 +60,7 @@ async def test_a_batch_decides_in_arrival_order(db: Database, tenant: Tenant,
         blocker.execute("SELECT 1 FROM stock_bucket WHERE bucket_id = %s FOR UPDATE", (bucket,))
         first = asyncio.create_task(combiner.submit(tenant.id, bucket, BatchRequest(
             "reserve", key="first", digest="d", quantity=1, ttl=ttl)))
-        await asyncio.to_thread(wait_for_lock_waiters, db.conninfo, 1)
+        await wait_until_blocked(db.conninfo)
         later = [asyncio.create_task(combiner.submit(tenant.id, bucket, BatchRequest(
             "reserve", key=f"r{i}", digest="d", quantity=q, ttl=ttl)))
             for i, q in enumerate((2, 2, 1))]
@@ -170,7 +159,7 @@ async def test_a_full_queue_answers_busy_at_once(db: Database, tenant: Tenant,
     with psycopg.connect(db.conninfo) as blocker:
         blocker.execute("SELECT 1 FROM stock_bucket WHERE bucket_id = %s FOR UPDATE", (bucket,))
         in_flight = asyncio.create_task(combiner.submit(tenant.id, bucket, req[0]))
-        await asyncio.to_thread(wait_for_lock_waiters, db.conninfo, 1)
+        await wait_until_blocked(db.conninfo)
         queued = [asyncio.create_task(combiner.submit(tenant.id, bucket, r)) for r in req[1:3]]
         await asyncio.sleep(0)
         with pytest.raises(Busy):
@@ -190,7 +179,7 @@ async def test_a_cancelled_caller_keeps_its_answer_for_the_retry(
     with psycopg.connect(db.conninfo) as blocker:
         blocker.execute("SELECT 1 FROM stock_bucket WHERE bucket_id = %s FOR UPDATE", (bucket,))
         caller = asyncio.create_task(service.reserve(tenant.id, "gave-up", [("s", "w", 2)]))
-        await asyncio.to_thread(wait_for_lock_waiters, db.conninfo, 1)
+        await wait_until_blocked(db.conninfo)
         caller.cancel()
         with pytest.raises(asyncio.CancelledError):
             await caller
