@@ -52,6 +52,9 @@ async def test_refill_races_claims_restocks_and_corrections(dsn: str) -> None:
     """Inline and background refills racing claims, releases, restocks and corrections keep pool + holds <= on_hand."""
     async with Database(dsn, min_size=20, max_size=20) as db:
         service = ReservationService(db)
+        # Unbatched takes come out of the pool first; batched ones out of free
+        # first (the batch holds the bucket row). Half the buyers do each.
+        plain = ReservationService(db, batching=False)
         tenant = await service.create_tenant("refill")
         await service.set_stock(tenant.id, "s", "w", 400, strategy="pool", pool_cap=25)
         replenisher = Replenisher(service, ReplenisherConfig(low_water=0.5))
@@ -64,14 +67,15 @@ async def test_refill_races_claims_restocks_and_corrections(dsn: str) -> None:
                 await asyncio.sleep(0.005)
 
         async def buyer(n: int) -> None:
+            mine = service if n % 2 else plain
             for r in range(30):
-                out = await service.reserve(tenant.id, f"b{n}-{r}",
+                out = await mine.reserve(tenant.id, f"b{n}-{r}",
                                             [("s", "w", rng.randint(1, 4))])
                 if out.held and out.reservation is not None:
                     if rng.random() < 0.5:
-                        await service.claim(tenant.id, out.reservation.id)
+                        await mine.claim(tenant.id, out.reservation.id)
                     else:
-                        await service.release(tenant.id, out.reservation.id)
+                        await mine.release(tenant.id, out.reservation.id)
 
         async def stock_keeper() -> None:
             for i in range(15):
@@ -84,7 +88,7 @@ async def test_refill_races_claims_restocks_and_corrections(dsn: str) -> None:
         # Hold most of the pool so the replenisher has work before the race
         # starts: its first round must refill (deterministically), and its loop
         # then keeps racing the buyers' inline refills.
-        warmup = await service.reserve(tenant.id, "warmup", [("s", "w", 20)])
+        warmup = await plain.reserve(tenant.id, "warmup", [("s", "w", 20)])
         assert warmup.held
         assert await replenisher.run_once() > 0
         background = asyncio.create_task(refiller())
@@ -137,16 +141,19 @@ async def test_strategy_switch_during_reservations_loses_nothing(dsn: str) -> No
                                 ).fetchone() == (300,)
 
 
-async def test_release_and_expiry_return_units_to_the_pool(dsn: str) -> None:
-    """Released units go back into the pool, where the next buyer takes them."""
+@pytest.mark.parametrize("batching", [False, True], ids=["unbatched", "batched"])
+async def test_released_units_are_sold_again(dsn: str, batching: bool) -> None:
+    """Released units are for sale again at once: an unbatched release puts them back
+    into the pool; a batched one into free, which batches take from first."""
     async with Database(dsn, max_size=4) as db:
-        service = ReservationService(db)
-        tenant = await service.create_tenant("back")
+        service = ReservationService(db, batching=batching)
+        tenant = await service.create_tenant(f"back-{batching}")
         await service.set_stock(tenant.id, "s", "w", 3, strategy="pool")
         out = await service.reserve(tenant.id, "a", [("s", "w", 3)])
         assert out.reservation is not None and pool_size(dsn) == 0
         await service.release(tenant.id, out.reservation.id)
-        assert pool_size(dsn) == 3
+        view = await service.get_stock(tenant.id, "s", "w")
+        assert (pool_size(dsn), view.available) == ((0, 3) if batching else (3, 3))
         assert (await service.reserve(tenant.id, "b", [("s", "w", 3)])).held
         assert await service.invariant_violations() == []
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+import psycopg
+
 from .. import errors
 from ..db import literals as lit
 from ..db.database import Database, Op
@@ -127,15 +129,29 @@ class Combiner:
         queue = self._queues[key]
         try:
             while queue:
-                take = min(len(queue), self.config.max_batch)
-                batch = [queue.popleft() for _ in range(take)]
-                await self._send(key, batch)
+                # A hot bucket's batches run back to back on one session: its
+                # compiled function and plans stay warm, no checkout per batch.
+                async with self.db.session(BATCH_OP) as conn:
+                    while queue and not conn.broken:
+                        take = min(len(queue), self.config.max_batch)
+                        batch = [queue.popleft() for _ in range(take)]
+                        await self._send(key, batch, conn)
+        except Exception as exc:  # noqa: BLE001 (_send answers its own batch's errors)
+            # no session in time: the waiting requests were not sent
+            log.warning("no connection for the batches of bucket %s: %s", key, exc)
+            _fail(list(queue), errors.Busy(f"no database connection was free: {exc}"))
+            queue.clear()
+        except BaseException:
+            _fail(list(queue), errors.Busy("the service is shutting down; retry"))
+            queue.clear()
+            raise
         finally:
             del self._tasks[key]
             if not queue:
                 self._queues.pop(key, None)
 
-    async def _send(self, key: tuple[int, int], batch: Sequence[_Pending]) -> None:
+    async def _send(self, key: tuple[int, int], batch: Sequence[_Pending],
+                    conn: psycopg.AsyncConnection[Any]) -> None:
         tenant, bucket = key
         requests = [r for r, _ in batch]
         try:
@@ -149,7 +165,7 @@ class Combiner:
                                         for r in requests),
                 lit.nullable_text_array(None if r.reservation_id is None
                                         else str(r.reservation_id) for r in requests),
-                self.clock()), op=BATCH_OP)
+                self.clock()), op=BATCH_OP, conn=conn)
         except (errors.Busy, errors.OutcomeUnknown) as exc:
             # shared by every request of the batch: each resolves it by its key
             _fail(batch, exc)
@@ -161,8 +177,8 @@ class Combiner:
             log.warning("a batch of %d failed (%s); sending it in halves", len(batch), exc)
             self.stats.splits += 1
             half = len(batch) // 2
-            await self._send(key, batch[:half])
-            await self._send(key, batch[half:])
+            await self._send(key, batch[:half], conn)
+            await self._send(key, batch[half:], conn)
             return
         self.stats.batches += 1
         self.stats.requests += len(batch)

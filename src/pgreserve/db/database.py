@@ -7,7 +7,8 @@ import json
 import logging
 import random
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, LiteralString, cast
 
@@ -176,8 +177,17 @@ class Database:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    def session(self, op: Op | None = None) -> AbstractAsyncContextManager[
+            psycopg.AsyncConnection[Any]]:
+        """A connection of the pool kept for a run of calls (`call(..., conn=)`):
+        back-to-back transactions on one warm session (its plans and compiled
+        functions), without a pool checkout each. A call whose connection is
+        lost retries on the pool's."""
+        return _session(self, op)
+
     async def call(self, sql: LiteralString, params: Sequence[Any] = (),
-                   *, op: Op | None = None) -> Any:
+                   *, op: Op | None = None,
+                   conn: psycopg.AsyncConnection[Any] | None = None) -> Any:
         """Run one statement in its own transaction and return the first column of the first row.
 
         Deadlocks, serialization failures and lost connections are retried as
@@ -192,7 +202,10 @@ class Database:
         while True:
             attempt += 1
             try:
-                result = await self._once(sql, params, op)
+                if conn is not None and not conn.broken and not lost_before:
+                    result = await self._run(conn, sql, params)
+                else:
+                    result = await self._once(sql, params, op)
                 if lost_before:
                     self._emit(op, "unknown_outcome_resolved")
                 return result
@@ -238,34 +251,38 @@ class Database:
     async def _once(self, sql: LiteralString, params: Sequence[Any],
                     op: Op | None = None) -> Any:
         pool = await self._pool_for(op)
-        statement = self._statement(sql)
         async with pool.connection() as conn:
-            # One message, one round trip: BEGIN, the transaction-local limits,
-            # the call and COMMIT as a multi-statement simple query. The
-            # transaction never waits on the client while it holds locks.
-            # Values are bound on the client as escaped literals by psycopg's
-            # own dumpers; no prepared statement is left on the server, which
-            # keeps the call valid through PgBouncer's transaction pooling.
-            # The query goes to libpq directly: a cursor's machinery (query
-            # parsing, result sets, row makers) cost a third of the client's
-            # CPU per call, and an extended-protocol pipeline twice as much.
-            adapt = Transformer(conn)
-            pgconn = conn.pgconn
-            try:
-                pgconn.send_query(statement.render(adapt, params))
-                results = await conn.wait(generators.execute(pgconn))
-            except BaseException:
+            return await self._run(conn, sql, params)
+
+    async def _run(self, conn: psycopg.AsyncConnection[Any], sql: LiteralString,
+                   params: Sequence[Any]) -> Any:
+        statement = self._statement(sql)
+        # One message, one round trip: BEGIN, the transaction-local limits,
+        # the call and COMMIT as a multi-statement simple query. The
+        # transaction never waits on the client while it holds locks.
+        # Values are bound on the client as escaped literals by psycopg's
+        # own dumpers; no prepared statement is left on the server, which
+        # keeps the call valid through PgBouncer's transaction pooling.
+        # The query goes to libpq directly: a cursor's machinery (query
+        # parsing, result sets, row makers) cost a third of the client's
+        # CPU per call, and an extended-protocol pipeline twice as much.
+        adapt = Transformer(conn)
+        pgconn = conn.pgconn
+        try:
+            pgconn.send_query(statement.render(adapt, params))
+            results = await conn.wait(generators.execute(pgconn))
+        except BaseException:
+            await _roll_back(conn)
+            raise
+        value = None
+        for res in results:
+            if res.status == _FATAL_ERROR:
                 await _roll_back(conn)
-                raise
-            value = None
-            for res in results:
-                if res.status == _FATAL_ERROR:
-                    await _roll_back(conn)
-                    raise psycopg.errors.error_from_result(res, encoding=conn.info.encoding)
-                if res.status == _TUPLES_OK and value is None and res.ntuples:
-                    adapt.set_pgresult(res)
-                    value = adapt.load_row(0, tuple)[0]
-            return value
+                raise psycopg.errors.error_from_result(res, encoding=conn.info.encoding)
+            if res.status == _TUPLES_OK and value is None and res.ntuples:
+                adapt.set_pgresult(res)
+                value = adapt.load_row(0, tuple)[0]
+        return value
 
     def _statement(self, sql: LiteralString) -> _Statement:
         # A handful of statement texts (one per call site): wrap and split
@@ -325,6 +342,13 @@ class _Statement:
             out.append(adapt.as_literal(value))
             out.append(part)
         return b"".join(out)
+
+
+@asynccontextmanager
+async def _session(db: Database, op: Op | None) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    pool = await db._pool_for(op)
+    async with pool.connection() as conn:
+        yield conn
 
 
 async def _roll_back(conn: psycopg.AsyncConnection[Any]) -> None:

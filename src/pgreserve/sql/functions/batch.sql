@@ -52,8 +52,6 @@ DECLARE
     -- the bucket as the batch changes it
     v_free bigint;
     v_units bigint := 0;      -- pool units this batch deleted and has not used yet
-    v_pool_back bigint := 0;  -- released units that go back into the pool
-    v_dry boolean := false;   -- a pool bucket's holds needed units out of free
     v_shortfall bigint;
     v_dfree bigint := 0;
     v_don_hand bigint := 0;
@@ -150,21 +148,19 @@ BEGIN
 
         IF p_kinds[i] = 'reserve' THEN
             v_q := p_quantities[i];
-            -- a pool bucket's holds come out of its pool, as unbatched ones do
-            IF (v_units + v_free < v_q OR (b.strategy = 'pool' AND v_units < v_q))
-               AND NOT v_looked THEN
+            -- The batch holds the bucket row: it takes from free first (a
+            -- counter) and deletes pool units only for what free cannot cover.
+            IF v_units + v_free < v_q AND NOT v_looked THEN
                 v_looked := true;
                 SELECT * INTO v_units, v_free, v_others, v_shortfall
                 FROM bucket_batch_look_v1(p_tenant, p_bucket, b.strategy, b.pool_cap, v_now,
                                           i, p_kinds, p_quantities, v_units, v_free, r_ids);
             END IF;
             IF v_units + v_free >= v_q THEN
-                -- pool units first, then free (a refill's direct units)
-                v_w := least(v_units, v_q);
-                v_units := v_units - v_w;
-                v_free := v_free - (v_q - v_w);
-                v_dfree := v_dfree - (v_q - v_w);
-                v_dry := v_dry OR v_w < v_q;
+                v_w := least(v_free, v_q);
+                v_free := v_free - v_w;
+                v_dfree := v_dfree - v_w;
+                v_units := v_units - (v_q - v_w);
                 v_id := gen_random_uuid();
                 v_view := jsonb_build_object(
                     'id', v_id, 'status', 'active', 'created_at', v_now,
@@ -242,10 +238,10 @@ BEGIN
                         END IF;
                         CONTINUE;
                     END IF;
-                    v_w := least(v_units, v_q);
-                    v_units := v_units - v_w;
-                    v_free := v_free - (v_q - v_w);
-                    v_dfree := v_dfree - (v_q - v_w);
+                    v_w := least(v_free, v_q);
+                    v_free := v_free - v_w;
+                    v_dfree := v_dfree - v_w;
+                    v_units := v_units - (v_q - v_w);
                 END IF;
                 v_don_hand := v_don_hand - v_q;
                 t_given_up := t_given_up || NOT r_held[j];
@@ -264,10 +260,10 @@ BEGIN
             ELSIF r_status[j] = 'active' THEN
                 IF NOT r_held[j] THEN
                     NULL;  -- given up at expiry already: its units are back
-                ELSIF b.strategy = 'pool' AND v_shortfall = 0 THEN
-                    v_pool_back := v_pool_back + v_q;  -- back into the pool, as unbatched
                 ELSE
-                    -- units a forced correction found missing are written off
+                    -- back into free (a pool bucket's too: the next holds take
+                    -- free first); units a forced correction found missing
+                    -- are written off
                     v_w := least(v_shortfall, v_q);
                     v_shortfall := v_shortfall - v_w;
                     v_dshortfall := v_dshortfall - v_w;
@@ -366,10 +362,10 @@ BEGIN
         END IF;
     END IF;
 
-    IF v_units + v_pool_back > 0 THEN
-        -- taken for the batch but not used, and released units: into the pool
+    IF v_units > 0 THEN
+        -- pool units deleted for the batch but not used: back into the pool
         INSERT INTO stock_unit (tenant_id, bucket_id)
-        SELECT p_tenant, p_bucket FROM generate_series(1, v_units + v_pool_back);
+        SELECT p_tenant, p_bucket FROM generate_series(1, v_units);
     END IF;
     IF v_dfree <> 0 OR v_don_hand <> 0 OR v_dshortfall <> 0 THEN
         UPDATE stock_bucket
@@ -377,31 +373,12 @@ BEGIN
             shortfall = shortfall + v_dshortfall, updated_at = v_now
         WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
     END IF;
-    IF b.strategy = 'pool' AND v_dry THEN
-        -- The pool ran dry: top it up from free, as an unbatched take's inline
-        -- refill does (the expired holds it would give up, the look already did).
-        SELECT count(*) INTO v_w FROM (SELECT 1 FROM stock_unit
-                                       WHERE tenant_id = p_tenant AND bucket_id = p_bucket
-                                       LIMIT b.pool_cap) s;
-        SELECT least(free, b.pool_cap - v_w) INTO v_w FROM stock_bucket
-        WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
-        IF v_w > 0 THEN
-            INSERT INTO stock_unit (tenant_id, bucket_id)
-            SELECT p_tenant, p_bucket FROM generate_series(1, v_w);
-            UPDATE stock_bucket
-            SET free = free - v_w,
-                pool_lo = coalesce((SELECT min(unit_id) FROM stock_unit
-                                    WHERE tenant_id = p_tenant AND bucket_id = p_bucket), 0),
-                pool_hi = coalesce((SELECT max(unit_id) FROM stock_unit
-                                    WHERE tenant_id = p_tenant AND bucket_id = p_bucket), 0)
-            WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
-        END IF;
-    END IF;
     RETURN to_jsonb(v_out);
 END $$;
 
 -- The first shortage of a batch (bucket_batch_v1 holds the bucket row lock):
--- take pool units for what the rest of the batch asks (a pool bucket), give up
+-- take pool units for what the rest of the batch asks beyond free (a pool
+-- bucket), give up
 -- expired holds if that is still not enough, and tell whether units or
 -- expired holds that other transactions hold remain (then a short request is
 -- not decided in the batch).
@@ -420,8 +397,8 @@ BEGIN
     SELECT coalesce(sum(p_quantities[x]), 0) INTO v_demand
     FROM generate_series(p_from, cardinality(p_kinds)) AS x WHERE p_kinds[x] = 'reserve';
     v_demand := greatest(v_demand, 1);
-    IF p_strategy = 'pool' AND units < v_demand THEN
-        units := units + pool_units_delete_v1(p_tenant, p_bucket, v_demand - units);
+    IF p_strategy = 'pool' AND units + free < v_demand THEN
+        units := units + pool_units_delete_v1(p_tenant, p_bucket, v_demand - units - free);
     END IF;
     IF units + free < v_demand THEN
         -- a pool bucket's for the batch and a full pool, as an inline refill's
