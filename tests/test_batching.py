@@ -280,3 +280,33 @@ async def test_a_late_claim_takes_its_units_again_in_a_batch(
     view = await service.get_stock(tenant.id, "s", "w")
     assert (view.on_hand, view.reserved, view.available) == (1, 0, 1)
     assert await service.invariant_violations() == []
+
+
+async def test_a_batch_session_killed_mid_batch_is_replaced(
+        db: Database, tenant: Tenant, service: ReservationService) -> None:
+    """The combiner keeps one session for back-to-back batches. Its backend killed while a
+    batch waits: that batch is retried whole on another connection, the batches queued
+    behind it go out on a new session, and every request holds exactly once."""
+    await service.set_stock(tenant.id, "s", "w", 10)
+    assert (await service.reserve(tenant.id, "warm", [("s", "w", 1)])).held
+    bucket = await bucket_id(db, tenant.id, "s")
+    with psycopg.connect(db.conninfo, autocommit=True) as killer, \
+            psycopg.connect(db.conninfo) as blocker:
+        blocker.execute("SELECT 1 FROM stock_bucket WHERE bucket_id = %s FOR UPDATE", (bucket,))
+        first = asyncio.create_task(service.reserve(tenant.id, "first", [("s", "w", 1)]))
+        await wait_until_blocked(db.conninfo)
+        queued = [asyncio.create_task(service.reserve(tenant.id, f"q{i}", [("s", "w", 1)]))
+                  for i in range(4)]
+        await asyncio.sleep(0.05)
+        killed = killer.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            " AND query LIKE '%%bucket_batch_v1%%'").fetchall()
+        assert killed == [(True,)]
+        blocker.rollback()
+    outs = [await first, *(await asyncio.gather(*queued))]
+    assert all(o.held for o in outs)
+    assert db.stats.connection_retried >= 1
+    view = await service.get_stock(tenant.id, "s", "w")
+    assert (view.reserved, view.available) == (6, 4)
+    assert await service.invariant_violations() == []
