@@ -21,13 +21,16 @@ from fastapi import Depends, FastAPI
 from ..core.service import Clock, ReservationService
 from ..db.database import Database
 from ..ops import web
-from .dependencies import InFlight, known_query_only
+from .dependencies import ApiKeyCache, InFlight, known_query_only
 from .exception_handlers import EXCEPTION_HANDLERS
 from .metrics import ApiMetrics
 from .middleware import BodyLimit, CountRequests
 from .openapi import openapi_schema
 from .responses import REPLAYED_HEADER
 from .routes import ROUTERS
+
+# An accepted API key is trusted this long before the database is asked again.
+DEFAULT_API_KEY_CACHE_S = 2.0
 
 __all__ = ["DEFAULT_BODY_LIMIT", "REPLAYED_HEADER", "app_from_env", "create_app"]
 
@@ -75,13 +78,16 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
                pool_size: int = 10, body_limit: int = DEFAULT_BODY_LIMIT,
                clock: Clock | None = None, application_name: str = "pgreserve:api",
                pool_min_size: int = 1, monitor: bool = False,
-               prepare_threshold: int | None = 5) -> FastAPI:
+               prepare_threshold: int | None = 5,
+               api_key_cache_s: float = DEFAULT_API_KEY_CACHE_S) -> FastAPI:
     """The API over one database: pass a DSN (the app owns its pool) or an open Database.
 
     `clock` replaces the database clock (tests move time by hand). `monitor`
     runs the hold-time sampler and the bloat monitor in this process (their
     figures go to /metrics and /ops). `prepare_threshold=None` behind PgBouncer
-    older than 1.21.
+    older than 1.21. `api_key_cache_s`: how long an accepted API key is
+    trusted without asking the database again (a revoked key is refused within
+    that time; 0: ask every request).
     """
     if database is None and dsn is None:
         raise ValueError("create_app needs a dsn or a database")
@@ -106,6 +112,7 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     state = app.state
     state.metrics = metrics
     state.inflight = InFlight()
+    state.api_keys = ApiKeyCache(api_key_cache_s)
     state.monitor = monitor
     state.service_options = options
     if database is not None:
@@ -130,4 +137,6 @@ def app_from_env() -> FastAPI:
     return create_app(dsn, pool_size=int(os.environ.get("PGRESERVE_POOL_SIZE", "10")),
                       monitor=os.environ.get("PGRESERVE_OPS_MONITOR", "") == "1",
                       prepare_threshold=None if threshold.lower() in ("", "none") else
-                      int(threshold))
+                      int(threshold),
+                      api_key_cache_s=float(os.environ.get("PGRESERVE_API_KEY_CACHE_SECONDS",
+                                                           DEFAULT_API_KEY_CACHE_S)))

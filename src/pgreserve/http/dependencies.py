@@ -6,15 +6,18 @@ handlers are plain module-level functions and several apps can share a process.
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Header, Path, Request
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from .. import errors
+from .. import apikeys, errors
 from .. import validation as check
 from ..core.service import ReservationService
 from . import problems
@@ -44,6 +47,42 @@ class InFlight:
             self.keys.discard((tenant, key))
 
 
+class ApiKeyCache:
+    """Recently authenticated API keys (by hash) and their tenant, for `ttl_s` seconds.
+
+    Only keys the database accepted are kept, at most `max_keys`: a new key
+    works at once, an unknown one is asked every time, and a key revoked in the
+    database is refused within `ttl_s` (0 turns the cache off).
+    """
+
+    def __init__(self, ttl_s: float = 2.0, max_keys: int = 10_000) -> None:
+        if not (math.isfinite(ttl_s) and 0 <= ttl_s <= 3600):
+            raise errors.InvalidRequest("api_key_cache_s must be between 0 and 3600 seconds",
+                                        field="api_key_cache_s")
+        self.ttl_s = ttl_s
+        self.max_keys = max_keys
+        self._keys: dict[bytes, tuple[int, float]] = {}
+
+    async def tenant(self, svc: ReservationService, key: str) -> int | None:
+        if self.ttl_s == 0 or not apikeys.plausible(key):
+            return await svc.tenant_for_api_key(key)
+        digest = apikeys.hash_key(key)
+        now = time.monotonic()
+        known = self._keys.get(digest)
+        if known is not None and known[1] > now:
+            return known[0]
+        tenant = await svc.tenant_for_api_key(key)
+        if tenant is None:
+            self._keys.pop(digest, None)
+            return None
+        if len(self._keys) >= self.max_keys:
+            self._keys = {k: v for k, v in self._keys.items() if v[1] > now}
+            if len(self._keys) >= self.max_keys:
+                self._keys.clear()
+        self._keys[digest] = (tenant, now + self.ttl_s)
+        return tenant
+
+
 def service(request: Request) -> ReservationService:
     """The app's service; 503 while its pool is not open."""
     svc = getattr(request.app.state, "service", None)
@@ -52,12 +91,22 @@ def service(request: Request) -> ReservationService:
     return svc  # type: ignore[no-any-return]  # app.state is untyped
 
 
-def in_flight(request: Request) -> InFlight:
+# Dependencies are coroutines: FastAPI runs a plain function in a worker
+# thread, a thread handoff per request for a lookup on app.state.
+async def service_dependency(request: Request) -> ReservationService:
+    return service(request)
+
+
+async def in_flight(request: Request) -> InFlight:
     return request.app.state.inflight  # type: ignore[no-any-return]  # app.state is untyped
 
 
 def metrics(request: Request) -> ApiMetrics:
     return request.app.state.metrics  # type: ignore[no-any-return]  # app.state is untyped
+
+
+async def metrics_dependency(request: Request) -> ApiMetrics:
+    return metrics(request)
 
 
 _bearer = HTTPBearer(auto_error=False, description="An API key from `pgreserve tenant create`")
@@ -70,10 +119,31 @@ async def tenant_id(
     """The tenant of the request's bearer API key; 401 when missing or unknown."""
     if credentials is None:
         raise problems.Unauthorized("send an API key as 'Authorization: Bearer <key>'")
-    tenant = await service(request).tenant_for_api_key(credentials.credentials)
+    keys: ApiKeyCache = request.app.state.api_keys
+    tenant = await keys.tenant(service(request), credentials.credentials)
     if tenant is None:
         raise problems.Unauthorized("unknown API key")
     return tenant
+
+
+@dataclass(frozen=True)
+class Caller:
+    """An authenticated request's tenant, with what the hot routes need of the app
+    (one dependency instead of four: FastAPI's cost is per dependency)."""
+
+    tenant: int
+    service: ReservationService
+    keys: InFlight
+    metrics: ApiMetrics
+
+
+async def caller(request: Request, tenant: Annotated[int, Depends(tenant_id)]) -> Caller:
+    state = request.app.state
+    return Caller(tenant, service(request), state.inflight, state.metrics)
+
+
+# The query parameters a route declares, found once and kept on the route.
+_DECLARED = "_pgreserve_query_params"
 
 
 async def known_query_only(request: Request) -> None:
@@ -82,15 +152,21 @@ async def known_query_only(request: Request) -> None:
     A misspelt parameter (`afetr=` for `after=`) would otherwise be ignored and
     the request answered as if it had not been sent: the feed from the start.
     """
+    if not request.scope.get("query_string"):
+        return
     route = request.scope.get("route")
     if not isinstance(route, APIRoute):
         return
-    known: set[str] = set()
-    pending = [route.dependant]
-    while pending:
-        dependant = pending.pop()
-        known.update(param.alias for param in dependant.query_params)
-        pending.extend(dependant.dependencies)
+    known: frozenset[str] | None = getattr(route, _DECLARED, None)
+    if known is None:
+        names: set[str] = set()
+        pending = [route.dependant]
+        while pending:
+            dependant = pending.pop()
+            names.update(param.alias for param in dependant.query_params)
+            pending.extend(dependant.dependencies)
+        known = frozenset(names)
+        setattr(route, _DECLARED, known)
     unknown = sorted(set(request.query_params) - known)
     if unknown:
         raise errors.InvalidRequest(f"unknown query parameters: {unknown}", field="query")
@@ -98,10 +174,11 @@ async def known_query_only(request: Request) -> None:
 
 # Declared after Tenant in a handler's parameters: tenant_id has already
 # answered 503 when the pool is not open, so the order of checks is unchanged.
-Service = Annotated[ReservationService, Depends(service)]
+Service = Annotated[ReservationService, Depends(service_dependency)]
 Tenant = Annotated[int, Depends(tenant_id)]
+Authenticated = Annotated[Caller, Depends(caller)]
 Keys = Annotated[InFlight, Depends(in_flight)]
-Metrics = Annotated[ApiMetrics, Depends(metrics)]
+Metrics = Annotated[ApiMetrics, Depends(metrics_dependency)]
 PathName = Annotated[str, Path(min_length=1, max_length=200, pattern=r"^[^\x00]+$")]
 KeyHeader = Annotated[str | None, Header(
     alias="Idempotency-Key",

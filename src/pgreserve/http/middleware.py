@@ -26,10 +26,9 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        too_large = problems.PayloadTooLarge(f"the request body exceeds {self.limit} bytes")
         for name, value in scope.get("headers", []):
             if name == b"content-length" and (not value.isdigit() or int(value) > self.limit):
-                await problems.problem_response(too_large)(scope, receive, send)
+                await self.refuse(scope, receive, send)
                 return
         # Buffer the body (at most `limit` bytes), then hand it on.
         chunks: list[bytes] = []
@@ -42,7 +41,7 @@ class BodyLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.limit:
-                await problems.problem_response(too_large)(scope, receive, send)
+                await self.refuse(scope, receive, send)
                 return
             chunks.append(chunk)
             more = message.get("more_body", False)
@@ -57,6 +56,10 @@ class BodyLimit:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    async def refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        too_large = problems.PayloadTooLarge(f"the request body exceeds {self.limit} bytes")
+        await problems.problem_response(too_large)(scope, receive, send)
 
 
 class CountRequests:

@@ -11,8 +11,7 @@ from starlette.responses import Response
 from ... import errors
 from ...domain import Reservation, ReserveOutcome
 from .. import problems
-from ..dependencies import KeyHeader, Keys, Metrics, Service, Tenant, request_key
-from ..metrics import ApiMetrics
+from ..dependencies import Authenticated, Caller, KeyHeader, Service, Tenant, request_key
 from ..models import ExtendIn, ReservationOut, ReserveIn, reservation_doc
 from ..responses import COMMON, REPLAYED_HEADER, json_response
 
@@ -22,15 +21,16 @@ router = APIRouter(tags=["reservations"])
 @router.post("/v1/reservations", status_code=201, response_model=ReservationOut,
              responses=problems.responses(400, 404, 409, 413, *COMMON),
              summary="Hold every line of a cart, or none")
-async def reserve(body: ReserveIn, tenant: Tenant, svc: Service, keys: Keys, metrics: Metrics,
+async def reserve(body: ReserveIn, caller: Authenticated,
                   idempotency_key: KeyHeader = None) -> Response:
     key = request_key(idempotency_key, required=True)
     assert key is not None
-    async with keys.hold(tenant, key):
-        outcome = await svc.reserve(
+    tenant = caller.tenant
+    async with caller.keys.hold(tenant, key):
+        outcome = await caller.service.reserve(
             tenant, key, [(x.sku, x.location, x.quantity) for x in body.lines],
             ttl=body.ttl_seconds)
-    metrics.http_reserve_outcomes.labels("held" if outcome.held else "rejected",
+    caller.metrics.http_reserve_outcomes.labels("held" if outcome.held else "rejected",
                                          str(outcome.replayed).lower()).inc()
     return reserve_response(outcome)
 
@@ -56,12 +56,12 @@ async def get_reservation(reservation_id: str, tenant: Tenant, svc: Service) -> 
 
 
 async def transition(operation: str, run: Callable[[str | None], Awaitable[Reservation]],
-                     tenant: int, idempotency_key: str | None, keys: Keys,
-                     metrics: ApiMetrics) -> Response:
+                     caller: Caller, idempotency_key: str | None) -> Response:
     """Claim, release or extend (`run(key)`), counted by result; a keyed one held in flight."""
     key = request_key(idempotency_key, required=False)
+    metrics = caller.metrics
     hold: contextlib.AbstractAsyncContextManager[None] = (contextlib.nullcontext() if key is None
-                                       else keys.hold(tenant, key))
+                                       else caller.keys.hold(caller.tenant, key))
     try:
         async with hold:
             r = await run(key)
@@ -75,29 +75,30 @@ async def transition(operation: str, run: Callable[[str | None], Awaitable[Reser
 @router.post("/v1/reservations/{reservation_id}/claim", response_model=ReservationOut,
              responses=problems.responses(404, 409, *COMMON),
              summary="Payment succeeded: turn the hold into a sale (repeatable)")
-async def claim(reservation_id: str, tenant: Tenant, svc: Service, keys: Keys,
-                metrics: Metrics, idempotency_key: KeyHeader = None) -> Response:
+async def claim(reservation_id: str, caller: Authenticated,
+                idempotency_key: KeyHeader = None) -> Response:
     return await transition(
-        "claim", lambda key: svc.claim(tenant, reservation_id, request_key=key),
-        tenant, idempotency_key, keys, metrics)
+        "claim", lambda key: caller.service.claim(caller.tenant, reservation_id, request_key=key),
+        caller, idempotency_key)
 
 
 @router.post("/v1/reservations/{reservation_id}/release", response_model=ReservationOut,
              responses=problems.responses(404, 409, *COMMON),
              summary="Payment failed: give the units back (repeatable)")
-async def release(reservation_id: str, tenant: Tenant, svc: Service, keys: Keys,
-                  metrics: Metrics, idempotency_key: KeyHeader = None) -> Response:
+async def release(reservation_id: str, caller: Authenticated,
+                  idempotency_key: KeyHeader = None) -> Response:
     return await transition(
-        "release", lambda key: svc.release(tenant, reservation_id, request_key=key),
-        tenant, idempotency_key, keys, metrics)
+        "release", lambda key: caller.service.release(caller.tenant, reservation_id,
+                                                      request_key=key),
+        caller, idempotency_key)
 
 
 @router.post("/v1/reservations/{reservation_id}/extend", response_model=ReservationOut,
              responses=problems.responses(404, 409, 413, *COMMON),
              summary="New time to live for an active reservation, counted from now")
-async def extend(reservation_id: str, body: ExtendIn, tenant: Tenant, svc: Service, keys: Keys,
-                 metrics: Metrics, idempotency_key: KeyHeader = None) -> Response:
+async def extend(reservation_id: str, body: ExtendIn, caller: Authenticated,
+                 idempotency_key: KeyHeader = None) -> Response:
     return await transition(
-        "extend", lambda key: svc.extend(tenant, reservation_id, body.ttl_seconds,
-                                         request_key=key),
-        tenant, idempotency_key, keys, metrics)
+        "extend", lambda key: caller.service.extend(caller.tenant, reservation_id,
+                                                    body.ttl_seconds, request_key=key),
+        caller, idempotency_key)
