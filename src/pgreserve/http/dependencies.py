@@ -15,7 +15,6 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Path, Request
 from fastapi.routing import APIRoute
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from .. import apikeys, errors
 from .. import validation as check
@@ -109,18 +108,21 @@ async def metrics_dependency(request: Request) -> ApiMetrics:
     return metrics(request)
 
 
-_bearer = HTTPBearer(auto_error=False, description="An API key from `pgreserve tenant create`")
+# The API key is read from the header here rather than by fastapi.security's
+# HTTPBearer (a dependency of its own on every request); openapi.py declares
+# the same "HTTPBearer" scheme for the routes that depend on tenant_id.
+BEARER_SCHEME = "HTTPBearer"
+BEARER_DESCRIPTION = "An API key from `pgreserve tenant create`"
 
 
-async def tenant_id(
-    request: Request,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> int:
+async def tenant_id(request: Request) -> int:
     """The tenant of the request's bearer API key; 401 when missing or unknown."""
-    if credentials is None:
+    scheme, _, credentials = (request.headers.get("authorization") or "").partition(" ")
+    credentials = credentials.strip()
+    if scheme.lower() != "bearer" or not credentials:
         raise problems.Unauthorized("send an API key as 'Authorization: Bearer <key>'")
     keys: ApiKeyCache = request.app.state.api_keys
-    tenant = await keys.tenant(service(request), credentials.credentials)
+    tenant = await keys.tenant(service(request), credentials)
     if tenant is None:
         raise problems.Unauthorized("unknown API key")
     return tenant

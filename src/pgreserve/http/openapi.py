@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.dependencies.models import Dependant
 from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
 
+from .dependencies import BEARER_DESCRIPTION, BEARER_SCHEME, tenant_id
 from .problems import Problem
 
 # Idempotency-Key is declared optional so that its absence reaches the handler
@@ -26,8 +30,14 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     components.update(problem.pop("$defs", {}))
     components["Problem"] = problem
+    schema["components"]["securitySchemes"] = {
+        BEARER_SCHEME: {"type": "http", "description": BEARER_DESCRIPTION, "scheme": "bearer"}}
+    authenticated = {(method.lower(), route.path) for route in _api_routes(app.routes)
+                     if _needs_tenant(route.dependant) for method in route.methods or ()}
     for path, operations in schema["paths"].items():
         for method, op in operations.items():
+            if (method, path) in authenticated:
+                op["security"] = [{BEARER_SCHEME: []}]
             for param in op.get("parameters", []):
                 if param["name"] == "Idempotency-Key":
                     param["schema"] = {"type": "string", "minLength": 1, "maxLength": 200,
@@ -49,3 +59,16 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
     }
     app.openapi_schema = schema
     return schema
+
+
+def _needs_tenant(dependant: Dependant) -> bool:
+    return dependant.call is tenant_id or any(_needs_tenant(d) for d in dependant.dependencies)
+
+
+def _api_routes(routes: Iterable[Any]) -> Iterator[APIRoute]:
+    """The app's APIRoutes, inside included routers too."""
+    for route in routes:
+        if isinstance(route, APIRoute):
+            yield route
+        elif (router := getattr(route, "original_router", None)) is not None:
+            yield from _api_routes(router.routes)
