@@ -310,3 +310,23 @@ async def test_a_batch_session_killed_mid_batch_is_replaced(
     view = await service.get_stock(tenant.id, "s", "w")
     assert (view.reserved, view.available) == (6, 4)
     assert await service.invariant_violations() == []
+
+
+async def test_a_release_of_a_given_up_hold_in_a_batch_restores_nothing_twice(
+        service: ReservationService, tenant: Tenant, strategy: str) -> None:
+    """A hold whose expiry another buyer gave up inline is released through a batch: the
+    reservation ends released, its units are not given back a second time, and the books
+    balance (batched and unbatched answer the same)."""
+    from datetime import timedelta
+
+    await service.set_stock(tenant.id, "s", "w", 3, strategy=strategy)
+    late = await service.reserve(tenant.id, "late", [("s", "w", 2)], ttl=timedelta(seconds=1))
+    assert late.reservation is not None
+    await asyncio.sleep(1.1)
+    taker = await service.reserve(tenant.id, "taker", [("s", "w", 3)])
+    assert taker.held  # gave the expired hold up inline
+    released = await service.release(tenant.id, late.reservation.id)
+    assert released.status.value == "released"
+    view = await service.get_stock(tenant.id, "s", "w")
+    assert (view.on_hand, view.reserved, view.available) == (3, 3, 0)
+    assert await service.invariant_violations() == []

@@ -271,13 +271,13 @@ BEGIN
                     v_free := v_free + v_q - v_w;
                     v_dfree := v_dfree + v_q - v_w;
                 END IF;
+                t_given_up := t_given_up || NOT r_held[j];
                 r_held[j] := false;
                 r_status[j] := 'released';
                 r_released[j] := v_now;
                 t_ids := t_ids || p_ids[i];
                 t_kinds := t_kinds || 'release'::text;
                 t_qty := t_qty || v_q;
-                t_given_up := t_given_up || NOT r_held[j];
             END IF;
         END IF;
         v_view := jsonb_build_object(
@@ -336,7 +336,9 @@ BEGIN
         SELECT p_tenant, p_bucket, CASE WHEN k = 'claim' THEN 'sale' ELSE 'restore' END,
                CASE WHEN k = 'claim' THEN -q ELSE q END, id, 1,
                CASE WHEN k = 'claim' THEN NULL ELSE 'released' END
-        FROM unnest(t_ids, t_kinds, t_qty) AS u(id, k, q);
+        FROM unnest(t_ids, t_kinds, t_qty, t_given_up) AS u(id, k, q, given_up)
+        -- a hold given up at expiry had its units restored then, once
+        WHERE k = 'claim' OR NOT given_up;
         UPDATE reservation r
         SET status = CASE WHEN u.k = 'claim' THEN 'claimed' ELSE 'released' END,
             claimed_at = CASE WHEN u.k = 'claim' THEN v_now ELSE r.claimed_at END,
