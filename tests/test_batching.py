@@ -330,3 +330,121 @@ async def test_a_release_of_a_given_up_hold_in_a_batch_restores_nothing_twice(
     view = await service.get_stock(tenant.id, "s", "w")
     assert (view.on_hand, view.reserved, view.available) == (3, 3, 0)
     assert await service.invariant_violations() == []
+
+
+def _expiry_books(dsn: str, tenant: int) -> tuple[Any, ...]:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute(
+            "SELECT (SELECT count(*) FROM reservation WHERE tenant_id = %(t)s"
+            "        AND status = 'expired' AND expired_at IS NOT NULL),"
+            " (SELECT count(*) FROM stock_movement WHERE tenant_id = %(t)s"
+            "        AND kind = 'restore' AND reason = 'expired'),"
+            " (SELECT count(*) FROM outbox_event WHERE tenant_id = %(t)s"
+            "        AND type = 'reservation.expired'),"
+            " (SELECT count(*) FROM reservation_line WHERE tenant_id = %(t)s AND held)",
+            {"t": tenant}).fetchone()  # type: ignore[return-value]  # one row
+
+
+@pytest.mark.parametrize("batching", [True, False], ids=["batched", "unbatched"])
+async def test_the_sweeper_expires_through_the_combiner(
+        dsn: str, tenant: Tenant, strategy: str, batching: bool) -> None:
+    """Due one-line holds expire through their bucket's combiner (one batch per bucket), a
+    due cart of two lines through expire_due_v1; each ends expired with one restore
+    movement and one event, batched or not, and the units are for sale again."""
+    from datetime import timedelta
+
+    async with Database(dsn, max_size=8) as db:
+        service = ReservationService(db, batching=batching)
+        for sku in ("a", "b"):
+            await service.set_stock(tenant.id, sku, "w", 10, strategy=strategy)
+        short = timedelta(seconds=1)
+        holds = await asyncio.gather(*(
+            service.reserve(tenant.id, f"h{i}", [("a" if i % 2 else "b", "w", 1)], ttl=short)
+            for i in range(8)))
+        cart = await service.reserve(tenant.id, "cart", [("a", "w", 2), ("b", "w", 2)],
+                                     ttl=short)
+        kept = await service.reserve(tenant.id, "kept", [("a", "w", 1)])
+        assert all(h.held for h in holds) and cart.held and kept.held
+        await asyncio.sleep(1.1)
+        before = service.combiner.stats.batches if service.combiner else 0
+        assert await service.expire_due() == 9
+        if service.combiner is not None:
+            # eight holds on two buckets: a batch or two per bucket, not one per hold
+            assert 1 <= service.combiner.stats.batches - before <= 4
+        assert await service.expire_due() == 0
+        assert _expiry_books(dsn, tenant.id) == (9, 10, 9, 1)
+        for sku in ("a", "b"):
+            view = await service.get_stock(tenant.id, sku, "w")
+            assert (view.reserved, view.available) == ((1, 9) if sku == "a" else (0, 10))
+        assert await service.invariant_violations() == []
+
+
+async def test_an_expiry_and_a_claim_in_one_batch_are_decided_in_arrival_order(
+        db: Database, tenant: Tenant, service: ReservationService) -> None:
+    """A claim queued before the sweeper's expiry wins (the expiry is skipped); a claim
+    queued after it takes the units back, as a late claim does unbatched."""
+    from datetime import timedelta
+
+    await service.set_stock(tenant.id, "s", "w", 4)
+    first = await service.reserve(tenant.id, "first", [("s", "w", 2)], ttl=timedelta(seconds=1))
+    second = await service.reserve(tenant.id, "second", [("s", "w", 2)],
+                                   ttl=timedelta(seconds=1))
+    assert first.reservation is not None and second.reservation is not None
+    await asyncio.sleep(1.1)
+    bucket = await bucket_id(db, tenant.id, "s")
+    combiner = Combiner(db)
+    ids = [uuid.UUID(first.reservation.id), uuid.UUID(second.reservation.id)]
+    with psycopg.connect(db.conninfo) as blocker:
+        blocker.execute("SELECT 1 FROM stock_bucket WHERE bucket_id = %s FOR UPDATE", (bucket,))
+        gate = asyncio.create_task(combiner.submit(tenant.id, bucket, BatchRequest("refill")))
+        await wait_until_blocked(db.conninfo)
+        order = [BatchRequest("claim", reservation_id=ids[0]),
+                 BatchRequest("expire", reservation_id=ids[0]),
+                 BatchRequest("expire", reservation_id=ids[1]),
+                 BatchRequest("claim", reservation_id=ids[1])]
+        tasks = [asyncio.create_task(combiner.submit(tenant.id, bucket, r)) for r in order]
+        await asyncio.sleep(0.05)
+        blocker.rollback()
+    await gate
+    claim_first, expire_first, expire_second, claim_second = await asyncio.gather(*tasks)
+    assert combiner.stats.batches == 2  # the gate, then the four together
+    assert claim_first["ok"]["status"] == "claimed"
+    assert expire_first == {"skipped": True}
+    assert expire_second["ok"]["status"] == "expired"
+    assert claim_second["ok"]["status"] == "claimed"
+    view = await service.get_stock(tenant.id, "s", "w")
+    assert (view.on_hand, view.reserved, view.available) == (0, 0, 0)
+    assert await service.invariant_violations() == []
+
+
+async def test_a_refill_of_a_busy_bucket_joins_its_next_batch(
+        db: Database, tenant: Tenant) -> None:
+    """While this process batches a pool bucket, the replenisher's refill goes into the
+    next batch (after its holds) instead of a transaction that would find the bucket
+    locked; on an idle bucket it runs on its own. Either way the pool is topped up."""
+    from datetime import timedelta
+
+    service = ReservationService(db)
+    await service.set_stock(tenant.id, "s", "w", 100, strategy="pool", pool_cap=10)
+    bucket = await bucket_id(db, tenant.id, "s")
+    plain = ReservationService(db, batching=False)
+    assert (await plain.reserve(tenant.id, "drain", [("s", "w", 10)])).held  # pool now empty
+    assert service.combiner is not None
+    with psycopg.connect(db.conninfo) as blocker:
+        blocker.execute("SELECT 1 FROM stock_bucket WHERE bucket_id = %s FOR UPDATE", (bucket,))
+        hold = asyncio.create_task(service.reserve(tenant.id, "h", [("s", "w", 5)],
+                                                   ttl=timedelta(minutes=5)))
+        await wait_until_blocked(db.conninfo)
+        assert service.combiner.busy(tenant.id, bucket)
+        refill = asyncio.create_task(service.refill(tenant.id, bucket))
+        await asyncio.sleep(0.05)
+        blocker.rollback()
+    assert (await hold).held
+    assert await refill == 10
+    assert service.combiner.stats.requests == 2 and service.combiner.stats.batches == 2
+    assert not service.combiner.busy(tenant.id, bucket)
+    view = await service.get_stock(tenant.id, "s", "w")
+    assert (view.pool, view.reserved) == (10, 15)
+    assert await service.refill(tenant.id, bucket) == 0  # idle: its own transaction
+    assert service.combiner.stats.requests == 2
+    assert await service.invariant_violations() == []

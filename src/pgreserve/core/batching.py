@@ -55,9 +55,10 @@ class BatchConfig:
 
 @dataclass(frozen=True)
 class BatchRequest:
-    """One request for a bucket's batch: a one-line reserve, or a claim or release."""
+    """One request for a bucket's batch: a one-line reserve; a claim, release or expiry
+    of a one-line reservation; or a refill of the bucket's pool."""
 
-    kind: str  # "reserve" | "claim" | "release"
+    kind: str  # "reserve" | "claim" | "release" | "expire" | "refill"
     key: str | None = None
     digest: str | None = None
     quantity: int | None = None
@@ -104,6 +105,10 @@ class Combiner:
         self.stats = BatchStats()
         self._queues: dict[tuple[int, int], deque[_Pending]] = {}
         self._tasks: dict[tuple[int, int], asyncio.Task[None]] = {}
+
+    def busy(self, tenant: int, bucket: int) -> bool:
+        """Whether a batch of this bucket is in flight in this process."""
+        return (tenant, bucket) in self._tasks
 
     async def submit(self, tenant: int, bucket: int, request: BatchRequest) -> dict[str, Any]:
         """Queue a request and wait for its own answer: `{"ok": doc}`,

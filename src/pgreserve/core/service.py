@@ -8,6 +8,7 @@ enough stock; the conditional writes in the database do.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import secrets
@@ -339,13 +340,34 @@ class ReservationService:
         return Reservation.from_json(rows[0][0])
 
     async def expire_due(self, batch: int = SWEEP_BATCH_MAX) -> int:
-        """Expire up to `batch` (at most 500) due reservations in one transaction."""
+        """Expire up to `batch` (at most 500) due reservations.
+
+        Batching, the due holds of one line go through their bucket's combiner
+        (one write of each bucket row, shared with the buyers' batches of this
+        process); `expire_due_v1` then expires the rest (carts of several lines,
+        anything a batch did not take) in one transaction.
+        """
         batch = check.integer(batch, "batch", 1, SWEEP_BATCH_MAX)
         started = perf_counter()
-        n = int(await self.db.call(queries["reservation_expire_due"], (batch, self.clock()),
-                                   op=OPS["expire_due"]))
+        n = await self._expire_batched(self.combiner, batch) if self.combiner else 0
+        if n < batch:
+            n += int(await self.db.call(queries["reservation_expire_due"],
+                                        (batch - n, self.clock()), op=OPS["expire_due"]))
         self._observe("expire_due", str(n), started)
         return n
+
+    async def _expire_batched(self, combiner: Combiner, batch: int) -> int:
+        due = await self._lookup(queries["reservation_due_one_line"], (self.clock(), batch),
+                                 "expire_due")
+        if not due:
+            return 0
+        answers = await asyncio.gather(
+            *(combiner.submit(int(tenant), int(bucket),
+                              BatchRequest("expire", reservation_id=rid))
+              for tenant, bucket, rid in due),
+            return_exceptions=True)
+        # Busy or an unknown outcome: expire_due_v1 or the next sweep finds it due
+        return sum(1 for a in answers if isinstance(a, dict) and "ok" in a)
 
     async def refill_candidates(self, low_water: float, limit: int) -> list[tuple[int, int]]:
         """Pool buckets under `low_water` x pool_cap with free stock, most depleted first."""
@@ -356,10 +378,20 @@ class ReservationService:
         return [(int(r[0]), int(r[1])) for r in rows]
 
     async def refill(self, tenant: int, bucket_id: int) -> int | None:
-        """Refill one pool bucket to its cap; None when another transaction holds it."""
+        """Refill one pool bucket to its cap; None when another transaction holds it.
+
+        A bucket this process is batching right now gets its refill in its next
+        batch (after that batch's holds), instead of a transaction of its own
+        that would only find the bucket locked."""
         started = perf_counter()
-        added = await self.db.call(queries["pool_refill"],
-                                   (tenant, bucket_id, self.clock()), op=OPS["refill"])
+        combiner = self.combiner
+        if combiner is not None and combiner.busy(tenant, bucket_id):
+            doc = _batch_answer(await combiner.submit(tenant, bucket_id,
+                                                      BatchRequest("refill")))
+            added = None if doc is None else int(doc["added"])
+        else:
+            added = await self.db.call(queries["pool_refill"],
+                                       (tenant, bucket_id, self.clock()), op=OPS["refill"])
         self._observe("refill", str(added or 0), started)
         return None if added is None else int(added)
 

@@ -2,10 +2,12 @@
 -- the bucket row. The service's combiner (core/batching.py) sends the
 -- requests of one bucket that queued while its previous batch was in flight.
 --
--- Requests are one-line reserves of this bucket, and claims and releases of
--- reservations whose only line is on it (p_kinds 'reserve' | 'claim' |
--- 'release'), decided one by one in arrival order, in memory, with no
--- exception per request (a PL/pgSQL EXCEPTION block is a subtransaction).
+-- Requests are one-line reserves of this bucket; claims, releases and the
+-- sweeper's expiries of reservations whose only line is on it; and refills of
+-- its pool (p_kinds 'reserve' | 'claim' | 'release' | 'expire' | 'refill'),
+-- decided one by one in arrival order, in memory, with no exception per
+-- request (a PL/pgSQL EXCEPTION block is a subtransaction). A refill runs
+-- once, after every other request of the batch is written.
 -- Element i of the result is request i's own answer:
 --   {"ok": doc}        the document reserve_v1 / claim_v1 / release_v1 (or,
 --                      under a request key, transition_keyed_v1) returns
@@ -14,6 +16,9 @@
 --   {"retry": true}    not decidable here (a reservation of several lines, a
 --                      shortage that units other transactions hold might
 --                      cover): the caller sends it alone, unbatched
+--   {"skipped": true}  an expiry of a reservation no longer due (claimed,
+--                      released, expired or extended meanwhile)
+--   {"ok": {"added": n}}  a refill: n units put into the pool
 --
 -- Lock order, as everywhere: request keys (advisory, in hash order), the
 -- reservations to claim or release (by id), their lines, the bucket row, then
@@ -58,6 +63,7 @@ DECLARE
     v_dshortfall bigint := 0;
     v_looked boolean := false;
     v_others boolean := false;
+    v_refill boolean := false;
     -- what the batch writes, set-based at the end
     h_ids uuid[] := '{}';
     h_keys text[] := '{}';
@@ -201,7 +207,12 @@ BEGIN
             CONTINUE;
         END IF;
 
-        -- claim or release
+        IF p_kinds[i] = 'refill' THEN
+            v_refill := true;  -- answered at the end
+            CONTINUE;
+        END IF;
+
+        -- claim, release or expire
         j := array_position(r_ids, p_ids[i]);
         IF j IS NULL THEN
             v_out[i] := jsonb_build_object(
@@ -252,6 +263,27 @@ BEGIN
                 t_kinds := t_kinds || 'claim'::text;
                 t_qty := t_qty || v_q;
             END IF;
+        ELSIF p_kinds[i] = 'expire' THEN
+            IF r_status[j] <> 'active' OR r_expires[j] > v_now THEN
+                v_out[i] := '{"skipped": true}';
+                CONTINUE;
+            END IF;
+            IF r_held[j] THEN
+                -- as a release: back into free, less what a correction wrote off
+                v_w := least(v_shortfall, v_q);
+                v_shortfall := v_shortfall - v_w;
+                v_dshortfall := v_dshortfall - v_w;
+                v_don_hand := v_don_hand - v_w;
+                v_free := v_free + v_q - v_w;
+                v_dfree := v_dfree + v_q - v_w;
+            END IF;
+            t_given_up := t_given_up || NOT r_held[j];
+            r_held[j] := false;
+            r_status[j] := 'expired';
+            r_expired[j] := v_now;
+            t_ids := t_ids || p_ids[i];
+            t_kinds := t_kinds || 'expire'::text;
+            t_qty := t_qty || v_q;
         ELSE
             IF r_status[j] = 'claimed' THEN
                 v_out[i] := jsonb_build_object(
@@ -335,19 +367,22 @@ BEGIN
                                     line_no, reason)
         SELECT p_tenant, p_bucket, CASE WHEN k = 'claim' THEN 'sale' ELSE 'restore' END,
                CASE WHEN k = 'claim' THEN -q ELSE q END, id, 1,
-               CASE WHEN k = 'claim' THEN NULL ELSE 'released' END
+               CASE k WHEN 'claim' THEN NULL WHEN 'expire' THEN 'expired' ELSE 'released' END
         FROM unnest(t_ids, t_kinds, t_qty, t_given_up) AS u(id, k, q, given_up)
         -- a hold given up at expiry had its units restored then, once
         WHERE k = 'claim' OR NOT given_up;
         UPDATE reservation r
-        SET status = CASE WHEN u.k = 'claim' THEN 'claimed' ELSE 'released' END,
+        SET status = CASE u.k WHEN 'claim' THEN 'claimed' WHEN 'expire' THEN 'expired'
+                              ELSE 'released' END,
             claimed_at = CASE WHEN u.k = 'claim' THEN v_now ELSE r.claimed_at END,
-            released_at = CASE WHEN u.k = 'release' THEN v_now ELSE r.released_at END
+            released_at = CASE WHEN u.k = 'release' THEN v_now ELSE r.released_at END,
+            expired_at = CASE WHEN u.k = 'expire' THEN v_now ELSE r.expired_at END
         FROM unnest(t_ids, t_kinds) AS u(id, k)
         WHERE r.tenant_id = p_tenant AND r.reservation_id = u.id;
         INSERT INTO outbox_event (tenant_id, type, payload)
-        SELECT p_tenant, CASE WHEN k = 'claim' THEN 'reservation.claimed'
-                              ELSE 'reservation.released' END, v
+        SELECT p_tenant, CASE k WHEN 'claim' THEN 'reservation.claimed'
+                                WHEN 'expire' THEN 'reservation.expired'
+                                ELSE 'reservation.released' END, v
         FROM unnest(t_kinds, t_views) WITH ORDINALITY AS u(k, v, n)
         ORDER BY n;
     END IF;
@@ -374,6 +409,17 @@ BEGIN
         SET free = free + v_dfree, on_hand = on_hand + v_don_hand,
             shortfall = shortfall + v_dshortfall, updated_at = v_now
         WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+    END IF;
+    IF v_refill THEN
+        -- after the batch's own writes: what it left free fills the pool
+        v_w := CASE WHEN b.strategy = 'pool'
+                    THEN (pool_replenish_v1(p_tenant, p_bucket, 0, v_now)).added ELSE 0 END;
+        FOR i IN 1 .. v_n LOOP
+            IF p_kinds[i] = 'refill' THEN
+                v_out[i] := jsonb_build_object('ok', jsonb_build_object('added', v_w));
+                v_w := 0;
+            END IF;
+        END LOOP;
     END IF;
     RETURN to_jsonb(v_out);
 END $$;

@@ -22,3 +22,17 @@ SELECT reservation_view_v1(%s, %s, coalesce(%s, clock_timestamp()));
 
 -- name: reservation_expire_due
 SELECT expire_due_v1(%s, %s);
+
+-- name: reservation_due_one_line
+-- Due holds of one line, soonest first, with their bucket: the sweeper sends
+-- them through their bucket's combiner (expire_due_v1 then takes the rest).
+SELECT r.tenant_id, l.bucket_id, r.reservation_id
+FROM reservation r
+JOIN reservation_line l
+  ON l.tenant_id = r.tenant_id AND l.reservation_id = r.reservation_id
+WHERE r.status = 'active' AND r.expires_at <= coalesce(%s, clock_timestamp())
+  AND NOT EXISTS (SELECT 1 FROM reservation_line o
+                  WHERE o.tenant_id = r.tenant_id AND o.reservation_id = r.reservation_id
+                    AND o.line_no <> l.line_no)
+ORDER BY r.expires_at
+LIMIT %s;
