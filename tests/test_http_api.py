@@ -218,3 +218,41 @@ async def test_unknown_route_is_problem_404(api: ApiTenant) -> None:
     """Unknown paths and methods are problem+json too."""
     assert_problem(await api.client.get("/v1/nothing"), 404, "not_found")
     assert_problem(await api.client.delete("/v1/reservations"), 405, "method_not_allowed")
+
+
+async def test_an_accepted_api_key_is_trusted_for_the_cache_time_only(db: Database) -> None:
+    """A key the database accepted is trusted for api_key_cache_s: revoked in the
+    database, it still works on a process that cached it, and is refused once that time
+    has passed; with the cache off it is refused at once. A new key works at once."""
+    import asyncio
+
+    import psycopg
+
+    from pgreserve import ReservationService
+    from pgreserve.errors import InvalidRequest
+
+    service = ReservationService(db)
+    _, key = await service.create_tenant_with_key("cached")
+    apps = {ttl: create_app(database=db, api_key_cache_s=ttl) for ttl in (0.0, 0.3, 600.0)}
+    clients = {ttl: httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                      base_url="http://test",
+                                      headers={"Authorization": f"Bearer {key}"})
+               for ttl, app in apps.items()}
+    try:
+        for client in clients.values():
+            assert (await client.get("/v1/events")).status_code == 200
+        with psycopg.connect(db.conninfo, autocommit=True) as conn:
+            conn.execute("UPDATE api_key SET revoked_at = now()")
+        assert (await clients[0.0].get("/v1/events")).status_code == 401
+        assert (await clients[600.0].get("/v1/events")).status_code == 200
+        await asyncio.sleep(0.4)
+        assert (await clients[0.3].get("/v1/events")).status_code == 401
+        _, fresh = await service.create_tenant_with_key("fresh")
+        answer = await clients[600.0].get("/v1/events",
+                                          headers={"Authorization": f"Bearer {fresh}"})
+        assert answer.status_code == 200
+    finally:
+        for client in clients.values():
+            await client.aclose()
+    with pytest.raises(InvalidRequest):
+        create_app(database=db, api_key_cache_s=float("nan"))
