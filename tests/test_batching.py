@@ -448,3 +448,34 @@ async def test_a_refill_of_a_busy_bucket_joins_its_next_batch(
     assert await service.refill(tenant.id, bucket) == 0  # idle: its own transaction
     assert service.combiner.stats.requests == 2
     assert await service.invariant_violations() == []
+
+
+async def test_a_drain_cancelled_in_flight_answers_every_waiting_request(
+        db: Database, tenant: Tenant, service: ReservationService) -> None:
+    """The combiner's drain cancelled (service shutdown) while a batch waits on the bucket:
+    the request in flight gets OutcomeUnknown (its batch may commit), the queued one Busy
+    (never sent); none is left waiting."""
+    from datetime import timedelta
+
+    from pgreserve.errors import OutcomeUnknown
+
+    await service.set_stock(tenant.id, "s", "w", 10)
+    bucket = await bucket_id(db, tenant.id, "s")
+    combiner = Combiner(db, BatchConfig(max_batch=1))
+    reqs = [BatchRequest("reserve", key=f"c{i}", digest="d", quantity=1,
+                         ttl=timedelta(minutes=5)) for i in range(2)]
+    with psycopg.connect(db.conninfo) as blocker:
+        blocker.execute("SELECT 1 FROM stock_bucket WHERE bucket_id = %s FOR UPDATE", (bucket,))
+        in_flight = asyncio.create_task(combiner.submit(tenant.id, bucket, reqs[0]))
+        await wait_until_blocked(db.conninfo)
+        queued = asyncio.create_task(combiner.submit(tenant.id, bucket, reqs[1]))
+        await asyncio.sleep(0)
+        drain = combiner._tasks[(tenant.id, bucket)]
+        drain.cancel()
+        await asyncio.gather(drain, return_exceptions=True)
+        blocker.rollback()
+    with pytest.raises(OutcomeUnknown):
+        await in_flight
+    with pytest.raises(Busy):
+        await queued
+    assert not combiner.busy(tenant.id, bucket)

@@ -157,6 +157,18 @@ class Combiner:
 
     async def _send(self, key: tuple[int, int], batch: Sequence[_Pending],
                     conn: psycopg.AsyncConnection[Any]) -> None:
+        try:
+            await self._send_once(key, batch, conn)
+        except BaseException:
+            # cancelled in flight (shutdown): the batch may have committed, so
+            # each unanswered request resolves by its key, as after a lost connection
+            _fail(batch, errors.OutcomeUnknown(
+                "the service stopped while this request's batch was in flight; "
+                "retry with the same request key"))
+            raise
+
+    async def _send_once(self, key: tuple[int, int], batch: Sequence[_Pending],
+                         conn: psycopg.AsyncConnection[Any]) -> None:
         tenant, bucket = key
         requests = [r for r, _ in batch]
         try:
