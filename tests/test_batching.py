@@ -382,7 +382,8 @@ async def test_the_sweeper_expires_through_the_combiner(
 async def test_an_expiry_and_a_claim_in_one_batch_are_decided_in_arrival_order(
         db: Database, tenant: Tenant, service: ReservationService) -> None:
     """A claim queued before the sweeper's expiry wins (the expiry is skipped); a claim
-    queued after it takes the units back, as a late claim does unbatched."""
+    queued after it is sent alone (one transition per reservation and batch) and takes
+    the units back, as a late claim does. What is stored matches every answer."""
     from datetime import timedelta
 
     await service.set_stock(tenant.id, "s", "w", 4)
@@ -411,7 +412,23 @@ async def test_an_expiry_and_a_claim_in_one_batch_are_decided_in_arrival_order(
     assert claim_first["ok"]["status"] == "claimed"
     assert expire_first == {"skipped": True}
     assert expire_second["ok"]["status"] == "expired"
-    assert claim_second["ok"]["status"] == "claimed"
+    assert claim_second == {"retry": True}
+    late = await service.claim(tenant.id, second.reservation.id)  # what the service does
+    assert late.status.value == "claimed"
+    with psycopg.connect(db.conninfo) as conn:
+        stored = conn.execute(
+            "SELECT reservation_id, status, claimed_at IS NOT NULL, expired_at IS NOT NULL"
+            " FROM reservation WHERE tenant_id = %s ORDER BY created_at", (tenant.id,)
+        ).fetchall()
+        moves = conn.execute(
+            "SELECT reservation_id, kind, reason FROM stock_movement"
+            " WHERE tenant_id = %s AND reservation_id IS NOT NULL ORDER BY movement_id",
+            (tenant.id,)).fetchall()
+    assert stored == [(ids[0], "claimed", True, False), (ids[1], "claimed", True, True)]
+    assert moves == [(ids[0], "sale", None), (ids[1], "restore", "expired"),
+                     (ids[1], "sale", None)]
+    assert (await service.get_reservation(tenant.id, second.reservation.id)).status.value \
+        == "claimed"
     view = await service.get_stock(tenant.id, "s", "w")
     assert (view.on_hand, view.reserved, view.available) == (0, 0, 0)
     assert await service.invariant_violations() == []
@@ -479,3 +496,140 @@ async def test_a_drain_cancelled_in_flight_answers_every_waiting_request(
     with pytest.raises(Busy):
         await queued
     assert not combiner.busy(tenant.id, bucket)
+
+
+async def test_a_look_mid_batch_sees_what_the_batch_wrote_off(db: Database,
+                                                              tenant: Tenant) -> None:
+    """A forced recount leaves a shortfall of 2 under two expired holds of 2. In one batch,
+    expire, a reserve short enough to look at the bucket, expire: the shortfall is written
+    off once (not again by the look's give-up), the reserve holds, the books balance."""
+    from datetime import UTC, datetime, timedelta
+
+    now = [datetime(2030, 1, 1, tzinfo=UTC)]
+    plain = ReservationService(db, clock=lambda: now[0], batching=False)
+    await plain.set_stock(tenant.id, "s", "w", 4)
+    r1 = (await plain.reserve(tenant.id, "a", [("s", "w", 2)], ttl=60)).reservation
+    r2 = (await plain.reserve(tenant.id, "b", [("s", "w", 2)], ttl=60)).reservation
+    assert r1 is not None and r2 is not None
+    await plain.set_stock(tenant.id, "s", "w", 2, force=True)  # 4 held, 2 counted
+    now[0] += timedelta(seconds=120)
+    bucket = await bucket_id(db, tenant.id, "s")
+    combiner = Combiner(db, clock=lambda: now[0])
+    with psycopg.connect(db.conninfo) as blocker:
+        blocker.execute("SELECT 1 FROM stock_bucket WHERE bucket_id = %s FOR UPDATE", (bucket,))
+        gate = asyncio.create_task(combiner.submit(tenant.id, bucket, BatchRequest("refill")))
+        await wait_until_blocked(db.conninfo)
+        tasks = [asyncio.create_task(combiner.submit(tenant.id, bucket, r)) for r in (
+            BatchRequest("expire", reservation_id=uuid.UUID(r1.id)),
+            BatchRequest("reserve", key="x", digest="d", quantity=1, ttl=timedelta(minutes=1)),
+            BatchRequest("expire", reservation_id=uuid.UUID(r2.id)))]
+        await asyncio.sleep(0.05)
+        blocker.rollback()
+    await gate
+    first, held, second = await asyncio.gather(*tasks)
+    assert combiner.stats.splits == 0 and combiner.stats.batches == 2
+    assert first["ok"]["status"] == second["ok"]["status"] == "expired"
+    # short of free while the batch's own expired holds are still held: not decided
+    # in the batch, the service sends it alone
+    assert held == {"retry": True}
+    view = await plain.get_stock(tenant.id, "s", "w")
+    assert (view.on_hand, view.reserved, view.available) == (2, 0, 2)
+    assert (await plain.reserve(tenant.id, "x", [("s", "w", 1)], ttl=60)).held
+    assert await plain.invariant_violations() == []
+
+
+async def test_an_expiry_of_a_reservation_locked_elsewhere_is_skipped_not_waited_for(
+        db: Database, tenant: Tenant, service: ReservationService) -> None:
+    """The sweeper's expiry in a batch takes its reservation with SKIP LOCKED, as
+    expire_due_v1 does: while another transaction holds the reservation, the expiry is
+    skipped (due again next sweep) and the buyers sharing the batch are not held up."""
+    from datetime import timedelta
+
+    await service.set_stock(tenant.id, "s", "w", 5)
+    due = await service.reserve(tenant.id, "due", [("s", "w", 2)], ttl=timedelta(seconds=1))
+    assert due.reservation is not None
+    await asyncio.sleep(1.1)
+    bucket = await bucket_id(db, tenant.id, "s")
+    combiner = Combiner(db)
+    with psycopg.connect(db.conninfo) as locker:
+        locker.execute("SELECT 1 FROM reservation WHERE reservation_id = %s FOR UPDATE",
+                       (due.reservation.id,))
+        expiry, buyer = await asyncio.gather(
+            combiner.submit(tenant.id, bucket, BatchRequest(
+                "expire", reservation_id=uuid.UUID(due.reservation.id))),
+            combiner.submit(tenant.id, bucket, BatchRequest(
+                "reserve", key="buyer", digest="d", quantity=1, ttl=timedelta(minutes=5))))
+        locker.rollback()
+    assert expiry == {"skipped": True}
+    assert buyer["ok"]["status"] == "held"
+    assert await service.expire_due() == 1  # unlocked now: the next sweep takes it
+    assert await service.invariant_violations() == []
+
+
+async def test_a_lost_batch_session_is_replaced_even_with_a_pool_of_one(dsn: str,
+                                                                        tenant: Tenant) -> None:
+    """With every connection of the pool kept by a drain (here the only one), a batch whose
+    connection is killed hands the dead one back and retries on a new one at once, instead
+    of waiting for the pool while holding it."""
+    async with Database(dsn, min_size=1, max_size=1) as db:
+        db.pool.timeout = 5.0  # a retry that waited for the pool would fail, not hang
+        service = ReservationService(db)
+        await service.set_stock(tenant.id, "s", "w", 10)
+        assert (await service.reserve(tenant.id, "warm", [("s", "w", 1)])).held
+        bucket = await bucket_id(db, tenant.id, "s")
+        with psycopg.connect(dsn, autocommit=True) as killer, psycopg.connect(dsn) as blocker:
+            blocker.execute("SELECT 1 FROM stock_bucket WHERE bucket_id = %s FOR UPDATE",
+                            (bucket,))
+            task = asyncio.create_task(service.reserve(tenant.id, "k1", [("s", "w", 1)]))
+            await wait_until_blocked(dsn)
+            killer.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+                " AND query LIKE '%%bucket_batch_v1%%'")
+            blocker.rollback()
+        out = await task
+        assert out.held and not out.replayed
+        assert db.stats.connection_retried == 1
+        assert await service.invariant_violations() == []
+
+
+async def test_a_hot_bucket_hands_its_session_back_when_others_wait(dsn: str,
+                                                                     tenant: Tenant) -> None:
+    """A drain keeps its connection only while no one else waits for one: with a pool of
+    one, a busy bucket that still has requests queued lets a request for another bucket
+    (waiting for the pool) go first, instead of keeping the pool for as long as its own
+    queue refills."""
+    from datetime import timedelta
+
+    async with Database(dsn, min_size=1, max_size=1) as db:
+        service = ReservationService(db)
+        for sku in ("hot", "cold"):
+            await service.set_stock(tenant.id, sku, "w", 10)
+            assert (await service.reserve(tenant.id, f"warm-{sku}", [(sku, "w", 1)])).held
+        bucket = await bucket_id(db, tenant.id, "hot")
+        ttl = timedelta(minutes=5)
+        with psycopg.connect(dsn) as blocker:
+            blocker.execute("SELECT 1 FROM stock_bucket WHERE bucket_id = %s FOR UPDATE",
+                            (bucket,))
+            first = asyncio.create_task(service.reserve(tenant.id, "h1", [("hot", "w", 1)],
+                                                        ttl=ttl))
+            await wait_until_blocked(dsn)  # the hot drain holds the only connection
+            second = asyncio.create_task(service.reserve(tenant.id, "h2", [("hot", "w", 1)],
+                                                         ttl=ttl))
+            cold = asyncio.create_task(service.reserve(tenant.id, "c1", [("cold", "w", 1)],
+                                                       ttl=ttl))
+            for _ in range(200):
+                if db.pool.get_stats().get("requests_waiting", 0):
+                    break
+                await asyncio.sleep(0.01)
+            assert db.pool.get_stats().get("requests_waiting", 0) == 1
+            blocker.rollback()
+        outs = [await first, await second, await cold]
+        assert all(o.held for o in outs)
+        with psycopg.connect(dsn) as conn:
+            order = [r[0] for r in conn.execute(
+                "SELECT request_key FROM reservation WHERE tenant_id = %s"
+                " AND request_key IN ('h1', 'h2', 'c1') ORDER BY created_at", (tenant.id,))]
+        assert order == ["h1", "c1", "h2"]
+        assert db.stats.busy == 0
+        assert await service.invariant_violations() == []

@@ -25,11 +25,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-import psycopg
-
 from .. import errors
 from ..db import literals as lit
-from ..db.database import Database, Op
+from ..db.database import Database, Op, Session
 from ..db.queries import queries
 
 log = logging.getLogger(__name__)
@@ -136,11 +134,15 @@ class Combiner:
             while queue:
                 # A hot bucket's batches run back to back on one session: its
                 # compiled function and plans stay warm, no checkout per batch.
-                async with self.db.session(BATCH_OP) as conn:
-                    while queue and not conn.broken:
+                # When others wait for a connection of the pool, the session is
+                # handed back after the batch and taken again in turn.
+                async with self.db.session(BATCH_OP) as session:
+                    while queue:
                         take = min(len(queue), self.config.max_batch)
                         batch = [queue.popleft() for _ in range(take)]
-                        await self._send(key, batch, conn)
+                        await self._send(key, batch, session)
+                        if session.lost or session.contended():
+                            break
         except Exception as exc:  # noqa: BLE001 (_send answers its own batch's errors)
             # no session in time: the waiting requests were not sent
             log.warning("no connection for the batches of bucket %s: %s", key, exc)
@@ -156,9 +158,9 @@ class Combiner:
                 self._queues.pop(key, None)
 
     async def _send(self, key: tuple[int, int], batch: Sequence[_Pending],
-                    conn: psycopg.AsyncConnection[Any]) -> None:
+                    session: Session) -> None:
         try:
-            await self._send_once(key, batch, conn)
+            await self._send_once(key, batch, session)
         except BaseException:
             # cancelled in flight (shutdown): the batch may have committed, so
             # each unanswered request resolves by its key, as after a lost connection
@@ -168,7 +170,7 @@ class Combiner:
             raise
 
     async def _send_once(self, key: tuple[int, int], batch: Sequence[_Pending],
-                         conn: psycopg.AsyncConnection[Any]) -> None:
+                         session: Session) -> None:
         tenant, bucket = key
         requests = [r for r, _ in batch]
         try:
@@ -182,7 +184,7 @@ class Combiner:
                                         for r in requests),
                 lit.nullable_text_array(None if r.reservation_id is None
                                         else str(r.reservation_id) for r in requests),
-                self.clock()), op=BATCH_OP, conn=conn)
+                self.clock()), op=BATCH_OP, session=session)
         except (errors.Busy, errors.OutcomeUnknown) as exc:
             # shared by every request of the batch: each resolves it by its key
             _fail(batch, exc)
@@ -194,8 +196,8 @@ class Combiner:
             log.warning("a batch of %d failed (%s); sending it in halves", len(batch), exc)
             self.stats.splits += 1
             half = len(batch) // 2
-            await self._send(key, batch[:half], conn)
-            await self._send(key, batch[half:], conn)
+            await self._send(key, batch[:half], session)
+            await self._send(key, batch[half:], session)
             return
         self.stats.batches += 1
         self.stats.requests += len(batch)

@@ -7,8 +7,7 @@ import json
 import logging
 import random
 import re
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, LiteralString, cast
 
@@ -177,17 +176,16 @@ class Database:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def session(self, op: Op | None = None) -> AbstractAsyncContextManager[
-            psycopg.AsyncConnection[Any]]:
-        """A connection of the pool kept for a run of calls (`call(..., conn=)`):
+    def session(self, op: Op | None = None) -> Session:
+        """A connection of the pool kept for a run of calls (`call(..., session=)`):
         back-to-back transactions on one warm session (its plans and compiled
-        functions), without a pool checkout each. A call whose connection is
-        lost retries on the pool's."""
-        return _session(self, op)
+        functions), without a pool checkout each. A call whose connection is lost
+        hands it back and retries on a new one; `Session.contended` tells the
+        holder to let others have a turn."""
+        return Session(self, op)
 
     async def call(self, sql: LiteralString, params: Sequence[Any] = (),
-                   *, op: Op | None = None,
-                   conn: psycopg.AsyncConnection[Any] | None = None) -> Any:
+                   *, op: Op | None = None, session: Session | None = None) -> Any:
         """Run one statement in its own transaction and return the first column of the first row.
 
         Deadlocks, serialization failures and lost connections are retried as
@@ -202,8 +200,8 @@ class Database:
         while True:
             attempt += 1
             try:
-                if conn is not None and not conn.broken and not lost_before:
-                    result = await self._run(conn, sql, params)
+                if session is not None:
+                    result = await self._run(await session.connection(), sql, params)
                 else:
                     result = await self._once(sql, params, op)
                 if lost_before:
@@ -344,11 +342,46 @@ class _Statement:
         return b"".join(out)
 
 
-@asynccontextmanager
-async def _session(db: Database, op: Op | None) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-    pool = await db._pool_for(op)
-    async with pool.connection() as conn:
-        yield conn
+class Session:
+    """One connection of a pool, kept across calls (`Database.session`)."""
+
+    def __init__(self, db: Database, op: Op | None) -> None:
+        self._db = db
+        self._op = op
+        self._pool: AsyncConnectionPool | None = None
+        self._conn: psycopg.AsyncConnection[Any] | None = None
+
+    async def __aenter__(self) -> Session:
+        await self.connection()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._hand_back()
+
+    async def connection(self) -> psycopg.AsyncConnection[Any]:
+        """The kept connection; a broken one is handed back (the pool discards
+        it) before another is taken, so a retry never waits on the pool while
+        holding a dead connection."""
+        if self._conn is not None and self._conn.broken:
+            await self._hand_back()
+        if self._conn is None:
+            self._pool = await self._db._pool_for(self._op)
+            self._conn = await self._pool.getconn()
+        return self._conn
+
+    @property
+    def lost(self) -> bool:
+        return self._conn is None or self._conn.broken
+
+    def contended(self) -> bool:
+        """Whether others are waiting for a connection of this pool."""
+        return self._pool is not None and \
+            self._pool.get_stats().get("requests_waiting", 0) > 0
+
+    async def _hand_back(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None and self._pool is not None:
+            await self._pool.putconn(conn)
 
 
 async def _roll_back(conn: psycopg.AsyncConnection[Any]) -> None:

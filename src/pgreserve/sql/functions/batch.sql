@@ -99,9 +99,25 @@ BEGIN
     INTO r_ids, r_status, r_created, r_expires, r_claimed, r_released, r_expired
     FROM (SELECT * FROM reservation
           WHERE tenant_id = p_tenant
-            AND reservation_id = ANY (SELECT x FROM unnest(p_ids) AS x WHERE x IS NOT NULL)
+            AND reservation_id = ANY (SELECT x FROM unnest(p_ids, p_kinds) AS u(x, k)
+                                      WHERE x IS NOT NULL AND k <> 'expire')
           ORDER BY reservation_id
           FOR UPDATE) r;
+    -- The sweeper's expiries wait for no one (as expire_due_v1's SKIP LOCKED):
+    -- one locked elsewhere is skipped and found due again by the next sweep.
+    -- Taken after the waiting locks above, so no wait follows them.
+    SELECT r_ids || array_agg(reservation_id), r_status || array_agg(status),
+           r_created || array_agg(created_at), r_expires || array_agg(expires_at),
+           r_claimed || array_agg(claimed_at), r_released || array_agg(released_at),
+           r_expired || array_agg(expired_at)
+    INTO r_ids, r_status, r_created, r_expires, r_claimed, r_released, r_expired
+    FROM (SELECT * FROM reservation
+          WHERE tenant_id = p_tenant
+            AND reservation_id = ANY (SELECT x FROM unnest(p_ids, p_kinds) AS u(x, k)
+                                      WHERE k = 'expire')
+            AND reservation_id <> ALL (coalesce(r_ids, '{}'))
+          ORDER BY reservation_id
+          FOR UPDATE SKIP LOCKED) r;  -- none: array_agg is NULL, || keeps r_*
     IF r_ids IS NOT NULL THEN
         PERFORM 1 FROM reservation_line
         WHERE tenant_id = p_tenant AND reservation_id = ANY (r_ids)
@@ -158,6 +174,15 @@ BEGIN
             -- counter) and deletes pool units only for what free cannot cover.
             IF v_units + v_free < v_q AND NOT v_looked THEN
                 v_looked := true;
+                IF v_dfree <> 0 OR v_don_hand <> 0 OR v_dshortfall <> 0 THEN
+                    -- the look gives expired holds back against the bucket row
+                    -- (shortfall first): it must see what this batch changed
+                    UPDATE stock_bucket
+                    SET free = free + v_dfree, on_hand = on_hand + v_don_hand,
+                        shortfall = shortfall + v_dshortfall, updated_at = v_now
+                    WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+                    v_dfree := 0; v_don_hand := 0; v_dshortfall := 0;
+                END IF;
                 SELECT * INTO v_units, v_free, v_others, v_shortfall
                 FROM bucket_batch_look_v1(p_tenant, p_bucket, b.strategy, b.pool_cap, v_now,
                                           i, p_kinds, p_quantities, v_units, v_free, r_ids);
@@ -214,7 +239,10 @@ BEGIN
 
         -- claim, release or expire
         j := array_position(r_ids, p_ids[i]);
-        IF j IS NULL THEN
+        IF j IS NULL AND p_kinds[i] = 'expire' THEN
+            v_out[i] := '{"skipped": true}';  -- locked elsewhere, or gone
+            CONTINUE;
+        ELSIF j IS NULL THEN
             v_out[i] := jsonb_build_object(
                 'error', 'PR410', 'message', format('unknown reservation %s', p_ids[i]));
             CONTINUE;
@@ -230,10 +258,25 @@ BEGIN
                     'error', 'PR423', 'message', format('reservation %s was released', p_ids[i]));
                 CONTINUE;
             ELSIF r_status[j] <> 'claimed' THEN
+                IF p_ids[i] = ANY (t_ids) THEN
+                    -- expired earlier in this batch: one row update per
+                    -- reservation and batch, so this late claim goes alone
+                    v_out[i] := '{"retry": true}';
+                    CONTINUE;
+                END IF;
                 IF NOT r_held[j] THEN
                     -- given up at expiry: take the units again, or fail the claim
                     IF v_units + v_free < v_q AND NOT v_looked THEN
                         v_looked := true;
+                        IF v_dfree <> 0 OR v_don_hand <> 0 OR v_dshortfall <> 0 THEN
+                            -- the look gives expired holds back against the bucket row
+                            -- (shortfall first): it must see what this batch changed
+                            UPDATE stock_bucket
+                            SET free = free + v_dfree, on_hand = on_hand + v_don_hand,
+                                shortfall = shortfall + v_dshortfall, updated_at = v_now
+                            WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+                            v_dfree := 0; v_don_hand := 0; v_dshortfall := 0;
+                        END IF;
                         SELECT * INTO v_units, v_free, v_others, v_shortfall
                         FROM bucket_batch_look_v1(p_tenant, p_bucket, b.strategy, b.pool_cap,
                                                   v_now, i, p_kinds, p_quantities, v_units,
