@@ -711,7 +711,10 @@ class FaultRun:
             await asyncio.sleep(0.02)
         else:
             return
-        os.kill(pids[0], signal.SIGSTOP)
+        try:
+            os.kill(pids[0], signal.SIGSTOP)
+        except ProcessLookupError:
+            return  # the backend exited since it was chosen: nothing paused
         try:
             await asyncio.sleep(rng.uniform(0.3, 1.5))
         finally:
@@ -761,7 +764,10 @@ class FaultRun:
             silent = self.report.silent_kinds
             name = FAULT_KINDS[n] if n < len(FAULT_KINDS) else \
                 silent[0] if silent and n % 2 else rng.choice(FAULT_KINDS)
-            await kinds[name](rng)
+            try:
+                await kinds[name](rng)
+            except Exception as exc:  # noqa: BLE001 - a harness bug fails the run, with its report
+                self.violation(f"injector: {name} raised {exc!r}")
             if name.startswith("server crash") or time.monotonic() - self.last_audit > 10:
                 await self.audit_now()
             if time.monotonic() - self.last_sample > 30:
