@@ -306,29 +306,12 @@ BEGIN
                 t_kinds := t_kinds || 'claim'::text;
                 t_qty := t_qty || v_q;
             END IF;
-        ELSIF p_kinds[i] = 'expire' THEN
-            IF r_status[j] <> 'active' OR r_expires[j] > v_now THEN
+        ELSE
+            -- release or expire: an active hold gives its units back
+            IF p_kinds[i] = 'expire' AND (r_status[j] <> 'active' OR r_expires[j] > v_now) THEN
                 v_out[i] := '{"skipped": true}';
                 CONTINUE;
-            END IF;
-            IF r_held[j] THEN
-                -- as a release: back into free, less what a correction wrote off
-                v_w := least(v_shortfall, v_q);
-                v_shortfall := v_shortfall - v_w;
-                v_dshortfall := v_dshortfall - v_w;
-                v_don_hand := v_don_hand - v_w;
-                v_free := v_free + v_q - v_w;
-                v_dfree := v_dfree + v_q - v_w;
-            END IF;
-            t_given_up := t_given_up || NOT r_held[j];
-            r_held[j] := false;
-            r_status[j] := 'expired';
-            r_expired[j] := v_now;
-            t_ids := t_ids || p_ids[i];
-            t_kinds := t_kinds || 'expire'::text;
-            t_qty := t_qty || v_q;
-        ELSE
-            IF r_status[j] = 'claimed' THEN
+            ELSIF p_kinds[i] = 'release' AND r_status[j] = 'claimed' THEN
                 v_out[i] := jsonb_build_object(
                     'error', 'PR424', 'message', format('reservation %s was claimed', p_ids[i]));
                 CONTINUE;
@@ -348,10 +331,15 @@ BEGIN
                 END IF;
                 t_given_up := t_given_up || NOT r_held[j];
                 r_held[j] := false;
-                r_status[j] := 'released';
-                r_released[j] := v_now;
+                IF p_kinds[i] = 'expire' THEN
+                    r_status[j] := 'expired';
+                    r_expired[j] := v_now;
+                ELSE
+                    r_status[j] := 'released';
+                    r_released[j] := v_now;
+                END IF;
                 t_ids := t_ids || p_ids[i];
-                t_kinds := t_kinds || 'release'::text;
+                t_kinds := t_kinds || p_kinds[i];
                 t_qty := t_qty || v_q;
             END IF;
         END IF;
