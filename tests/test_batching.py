@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
 import psycopg
@@ -16,6 +17,14 @@ from pgreserve.core.batching import BatchConfig, BatchRequest, Combiner
 from pgreserve.core.service import digest
 from pgreserve.errors import Busy, IdempotencyKeyReused, ReservationClaimed
 from test_concurrency import wait_until_blocked
+
+
+@contextlib.contextmanager
+def bucket_locked(dsn: str, bucket: int) -> Iterator[psycopg.Connection[Any]]:
+    """A transaction holding the bucket row (batches queue behind it) until rollback."""
+    with psycopg.connect(dsn) as blocker:
+        blocker.execute("SELECT 1 FROM stock_bucket WHERE bucket_id = %s FOR UPDATE", (bucket,))
+        yield blocker
 
 
 async def bucket_id(db: Database, tenant: int, sku: str) -> int:
@@ -56,8 +65,7 @@ async def test_a_batch_decides_in_arrival_order(db: Database, tenant: Tenant,
     bucket = await bucket_id(db, tenant.id, "s")
     combiner = Combiner(db)
     ttl = timedelta(minutes=5)
-    with psycopg.connect(db.conninfo) as blocker:
-        blocker.execute("SELECT 1 FROM stock_bucket WHERE bucket_id = %s FOR UPDATE", (bucket,))
+    with bucket_locked(db.conninfo, bucket) as blocker:
         first = asyncio.create_task(combiner.submit(tenant.id, bucket, BatchRequest(
             "reserve", key="first", digest="d", quantity=1, ttl=ttl)))
         await wait_until_blocked(db.conninfo)
@@ -156,8 +164,7 @@ async def test_a_full_queue_answers_busy_at_once(db: Database, tenant: Tenant,
     combiner = Combiner(db, BatchConfig(max_batch=1, max_queue=2))
     req = [BatchRequest("reserve", key=f"q{i}", digest="d", quantity=1,
                         ttl=timedelta(minutes=5)) for i in range(4)]
-    with psycopg.connect(db.conninfo) as blocker:
-        blocker.execute("SELECT 1 FROM stock_bucket WHERE bucket_id = %s FOR UPDATE", (bucket,))
+    with bucket_locked(db.conninfo, bucket) as blocker:
         in_flight = asyncio.create_task(combiner.submit(tenant.id, bucket, req[0]))
         await wait_until_blocked(db.conninfo)
         queued = [asyncio.create_task(combiner.submit(tenant.id, bucket, r)) for r in req[1:3]]
@@ -176,8 +183,7 @@ async def test_a_cancelled_caller_keeps_its_answer_for_the_retry(
     commits, and the retry with the same key replays the hold."""
     await service.set_stock(tenant.id, "s", "w", 5)
     bucket = await bucket_id(db, tenant.id, "s")
-    with psycopg.connect(db.conninfo) as blocker:
-        blocker.execute("SELECT 1 FROM stock_bucket WHERE bucket_id = %s FOR UPDATE", (bucket,))
+    with bucket_locked(db.conninfo, bucket) as blocker:
         caller = asyncio.create_task(service.reserve(tenant.id, "gave-up", [("s", "w", 2)]))
         await wait_until_blocked(db.conninfo)
         caller.cancel()
@@ -291,8 +297,7 @@ async def test_a_batch_session_killed_mid_batch_is_replaced(
     assert (await service.reserve(tenant.id, "warm", [("s", "w", 1)])).held
     bucket = await bucket_id(db, tenant.id, "s")
     with psycopg.connect(db.conninfo, autocommit=True) as killer, \
-            psycopg.connect(db.conninfo) as blocker:
-        blocker.execute("SELECT 1 FROM stock_bucket WHERE bucket_id = %s FOR UPDATE", (bucket,))
+            bucket_locked(db.conninfo, bucket) as blocker:
         first = asyncio.create_task(service.reserve(tenant.id, "first", [("s", "w", 1)]))
         await wait_until_blocked(db.conninfo)
         queued = [asyncio.create_task(service.reserve(tenant.id, f"q{i}", [("s", "w", 1)]))
@@ -395,8 +400,7 @@ async def test_an_expiry_and_a_claim_in_one_batch_are_decided_in_arrival_order(
     bucket = await bucket_id(db, tenant.id, "s")
     combiner = Combiner(db)
     ids = [uuid.UUID(first.reservation.id), uuid.UUID(second.reservation.id)]
-    with psycopg.connect(db.conninfo) as blocker:
-        blocker.execute("SELECT 1 FROM stock_bucket WHERE bucket_id = %s FOR UPDATE", (bucket,))
+    with bucket_locked(db.conninfo, bucket) as blocker:
         gate = asyncio.create_task(combiner.submit(tenant.id, bucket, BatchRequest("refill")))
         await wait_until_blocked(db.conninfo)
         order = [BatchRequest("claim", reservation_id=ids[0]),
@@ -447,8 +451,7 @@ async def test_a_refill_of_a_busy_bucket_joins_its_next_batch(
     plain = ReservationService(db, batching=False)
     assert (await plain.reserve(tenant.id, "drain", [("s", "w", 10)])).held  # pool now empty
     assert service.combiner is not None
-    with psycopg.connect(db.conninfo) as blocker:
-        blocker.execute("SELECT 1 FROM stock_bucket WHERE bucket_id = %s FOR UPDATE", (bucket,))
+    with bucket_locked(db.conninfo, bucket) as blocker:
         hold = asyncio.create_task(service.reserve(tenant.id, "h", [("s", "w", 5)],
                                                    ttl=timedelta(minutes=5)))
         await wait_until_blocked(db.conninfo)
@@ -481,8 +484,7 @@ async def test_a_drain_cancelled_in_flight_answers_every_waiting_request(
     combiner = Combiner(db, BatchConfig(max_batch=1))
     reqs = [BatchRequest("reserve", key=f"c{i}", digest="d", quantity=1,
                          ttl=timedelta(minutes=5)) for i in range(2)]
-    with psycopg.connect(db.conninfo) as blocker:
-        blocker.execute("SELECT 1 FROM stock_bucket WHERE bucket_id = %s FOR UPDATE", (bucket,))
+    with bucket_locked(db.conninfo, bucket) as blocker:
         in_flight = asyncio.create_task(combiner.submit(tenant.id, bucket, reqs[0]))
         await wait_until_blocked(db.conninfo)
         queued = asyncio.create_task(combiner.submit(tenant.id, bucket, reqs[1]))
@@ -515,8 +517,7 @@ async def test_a_look_mid_batch_sees_what_the_batch_wrote_off(db: Database,
     now[0] += timedelta(seconds=120)
     bucket = await bucket_id(db, tenant.id, "s")
     combiner = Combiner(db, clock=lambda: now[0])
-    with psycopg.connect(db.conninfo) as blocker:
-        blocker.execute("SELECT 1 FROM stock_bucket WHERE bucket_id = %s FOR UPDATE", (bucket,))
+    with bucket_locked(db.conninfo, bucket) as blocker:
         gate = asyncio.create_task(combiner.submit(tenant.id, bucket, BatchRequest("refill")))
         await wait_until_blocked(db.conninfo)
         tasks = [asyncio.create_task(combiner.submit(tenant.id, bucket, r)) for r in (
@@ -577,9 +578,8 @@ async def test_a_lost_batch_session_is_replaced_even_with_a_pool_of_one(dsn: str
         await service.set_stock(tenant.id, "s", "w", 10)
         assert (await service.reserve(tenant.id, "warm", [("s", "w", 1)])).held
         bucket = await bucket_id(db, tenant.id, "s")
-        with psycopg.connect(dsn, autocommit=True) as killer, psycopg.connect(dsn) as blocker:
-            blocker.execute("SELECT 1 FROM stock_bucket WHERE bucket_id = %s FOR UPDATE",
-                            (bucket,))
+        with psycopg.connect(dsn, autocommit=True) as killer, \
+                bucket_locked(dsn, bucket) as blocker:
             task = asyncio.create_task(service.reserve(tenant.id, "k1", [("s", "w", 1)]))
             await wait_until_blocked(dsn)
             killer.execute(
@@ -608,9 +608,7 @@ async def test_a_hot_bucket_hands_its_session_back_when_others_wait(dsn: str,
             assert (await service.reserve(tenant.id, f"warm-{sku}", [(sku, "w", 1)])).held
         bucket = await bucket_id(db, tenant.id, "hot")
         ttl = timedelta(minutes=5)
-        with psycopg.connect(dsn) as blocker:
-            blocker.execute("SELECT 1 FROM stock_bucket WHERE bucket_id = %s FOR UPDATE",
-                            (bucket,))
+        with bucket_locked(dsn, bucket) as blocker:
             first = asyncio.create_task(service.reserve(tenant.id, "h1", [("hot", "w", 1)],
                                                         ttl=ttl))
             await wait_until_blocked(dsn)  # the hot drain holds the only connection
