@@ -241,10 +241,10 @@ async def test_a_batch_runs_under_its_earliest_deadline(
     await service.set_stock(tenant.id, "s", "w", 10)
     bucket = await bucket_id(db, tenant.id, "s")
     combiner = Combiner(db)
-    with bucket_locked(dsn, bucket):
-        with deadline(0.3), pytest.raises(Busy, match="statement timeout"):
-            await combiner.submit(tenant.id, bucket, BatchRequest(
-                "reserve", key="short", digest="d", quantity=1, ttl=timedelta(minutes=5)))
+    with bucket_locked(dsn, bucket), deadline(0.3), \
+            pytest.raises(Busy, match="statement timeout"):
+        await combiner.submit(tenant.id, bucket, BatchRequest(
+            "reserve", key="short", digest="d", quantity=1, ttl=timedelta(minutes=5)))
     assert ledger_rows(dsn, "short") == 0
     view = await service.get_stock(tenant.id, "s", "w")
     assert view.reserved == 0
