@@ -281,3 +281,35 @@ def test_create_app_refuses_a_deadline_out_of_range(dsn: str) -> None:
         create_app(dsn, request_deadline_s=0)
     with pytest.raises(InvalidRequest, match="tenant_max_in_flight"):
         create_app(dsn, tenant_max_in_flight=-1)
+
+
+def test_the_admission_options_come_from_the_environment(
+        dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve --workers N` builds each process's app from the environment: the deadline,
+    the tenant limit and the PgBouncer console are read from PGRESERVE_* variables."""
+    from pgreserve.http.admission import Admission
+    from pgreserve.http.app import app_from_env
+
+    monkeypatch.setenv("PGRESERVE_DATABASE_URL", dsn)
+    monkeypatch.setenv("PGRESERVE_REQUEST_DEADLINE_SECONDS", "2.5")
+    monkeypatch.setenv("PGRESERVE_TENANT_MAX_IN_FLIGHT", "3")
+    monkeypatch.setenv("PGRESERVE_PGBOUNCER_ADMIN_URL", "postgresql://u@127.0.0.1:1/pgbouncer")
+    app = app_from_env()
+    assert app.state.tenant_limit.max_in_flight == 3
+    assert app.state.pgbouncer.admin_url == "postgresql://u@127.0.0.1:1/pgbouncer"
+    admission = [m for m in app.user_middleware if m.cls is Admission]  # type: ignore[comparison-overlap]  # Starlette types cls as a factory
+    assert [m.kwargs["deadline_s"] for m in admission] == [2.5]
+
+
+def test_the_cli_refuses_a_deadline_out_of_range() -> None:
+    """`pgreserve up` / `serve` refuse --request-deadline-seconds outside 0.1..600 and a
+    negative --tenant-max-in-flight before starting anything."""
+    from click.testing import CliRunner
+
+    from pgreserve.cli import main
+
+    for command in ("up", "serve"):
+        result = CliRunner().invoke(main, [command, "--request-deadline-seconds", "0"])
+        assert result.exit_code == 2 and "request-deadline-seconds" in result.output
+        result = CliRunner().invoke(main, [command, "--tenant-max-in-flight", "-1"])
+        assert result.exit_code == 2 and "tenant-max-in-flight" in result.output

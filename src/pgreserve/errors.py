@@ -92,12 +92,11 @@ class OutcomeUnknown(PgReserveError):
     retryable = True
 
 
-class DatabaseUnavailable(PgReserveError):
-    """A read lost its database connection and could not be retried in time; reads
-    change nothing, so it is safe to retry."""
+class DatabaseUnavailable(Busy):
+    """A read lost its database connection and could not be read again in time. Reads
+    change nothing (a write whose routing read failed was not started): a Busy."""
 
     code = "database_unavailable"
-    retryable = True
 
 
 class TooManyRequests(PgReserveError):
