@@ -36,12 +36,10 @@ class TenantLimit:
         self.max_in_flight = max_in_flight
         self.retry_after_s = retry_after_s
         self.in_flight: dict[int, int] = {}
-        self.refused: dict[int, int] = {}
 
     def take(self, tenant: int) -> None:
         n = self.in_flight.get(tenant, 0)
         if n >= self.max_in_flight:
-            self.refused[tenant] = self.refused.get(tenant, 0) + 1
             raise errors.TooManyRequests(
                 f"this tenant already has {n} requests in flight on this server (at most "
                 f"{self.max_in_flight}); nothing was done, retry later",

@@ -208,7 +208,7 @@ def diagnose_pgbouncer(admin_url: str) -> list[Finding]:
         report = read_pgbouncer(admin_url)
     except psycopg.Error as exc:
         return [Finding("pgbouncer admin console", "fail", f"unreadable: {exc}".strip(),
-                        "SHOW POOLS answers",
+                        "the console answers SHOW POOLS",
                         "check --pgbouncer-admin-url (database pgbouncer) and that the user is "
                         "in admin_users or stats_users of pgbouncer.ini")]
     pools = [p for p in report.pools if p.database != "pgbouncer"]  # the console itself

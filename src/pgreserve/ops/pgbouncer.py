@@ -6,23 +6,24 @@ a server connection, and `maxwait`, how long the oldest of them has waited.
 gauges on a given registry) read the same figures.
 
 The admin console speaks the simple query protocol only and has no
-transactions: the connection is autocommit with prepared statements off, and
-the commands are sent without parameters.
+transactions: the connection is autocommit with prepared statements off, its
+cursors bind on the client (psycopg's ClientCursor, which sends a query without
+parameters as a simple query), and the commands carry no parameters.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, LiteralString
+from typing import Any
 
 import psycopg
 from prometheus_client import CollectorRegistry, Gauge
 
+from ..db.queries import queries
+
 log = logging.getLogger(__name__)
 
-SHOW_POOLS: LiteralString = "SHOW POOLS"
-SHOW_STATS: LiteralString = "SHOW STATS"
 CONNECT_TIMEOUT_S = 5
 
 
@@ -96,10 +97,11 @@ def _connect_kwargs() -> dict[str, Any]:
 
 def read_pgbouncer(admin_url: str) -> PgBouncerReport:
     """SHOW POOLS and SHOW STATS, read once (for doctor)."""
-    with psycopg.connect(admin_url, **_connect_kwargs()) as conn:
-        cur = conn.execute(SHOW_POOLS)
+    with psycopg.connect(admin_url, cursor_factory=psycopg.ClientCursor,
+                         **_connect_kwargs()) as conn:
+        cur = conn.execute(queries["pgbouncer_pool_list"])
         pools = _rows(cur, cur.fetchall())
-        cur = conn.execute(SHOW_STATS)
+        cur = conn.execute(queries["pgbouncer_stat_list"])
         stats = _rows(cur, cur.fetchall())
     return parse(pools, stats)
 
@@ -147,11 +149,12 @@ class PgBouncerMonitor:
         previous figures are cleared (a stale queue length would mislead)."""
         try:
             if self._conn is None or self._conn.closed:
-                self._conn = await psycopg.AsyncConnection.connect(self.admin_url,
-                                                                   **_connect_kwargs())
-            cur = await self._conn.execute(SHOW_POOLS)
+                self._conn = await psycopg.AsyncConnection.connect(
+                    self.admin_url, cursor_factory=psycopg.AsyncClientCursor,
+                    **_connect_kwargs())
+            cur = await self._conn.execute(queries["pgbouncer_pool_list"])
             pools = _rows(cur, await cur.fetchall())
-            cur = await self._conn.execute(SHOW_STATS)
+            cur = await self._conn.execute(queries["pgbouncer_stat_list"])
             stats = _rows(cur, await cur.fetchall())
         except psycopg.Error as exc:
             log.warning("PgBouncer admin console unreadable: %s", exc)
