@@ -9,6 +9,8 @@ effect. The routes live in routes/, one router per resource.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import os
 from collections.abc import AsyncIterator
@@ -24,8 +26,10 @@ from ..ops import web
 from .dependencies import ApiKeyCache, InFlight, known_query_only
 from .exception_handlers import EXCEPTION_HANDLERS
 from .metrics import ApiMetrics
-from .middleware import BodyLimit, CountRequests
+from .middleware import BodyLimit, ObserveRequests
 from .openapi import openapi_schema
+from .requestlog import RequestLog
+from .requestlog import from_env as request_log_from_env
 from .responses import REPLAYED_HEADER
 from .routes import ROUTERS
 
@@ -54,21 +58,49 @@ class OwnedPool:
                         observer=metrics.db_event, prepare_threshold=self.prepare_threshold)
 
 
+# How often an API process copies its client pools' statistics into its
+# metrics (for the ops listener, which may be another process).
+POOL_STATS_INTERVAL_S = 5.0
+
+
+async def _copy_pool_stats(app: FastAPI, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        svc = app.state.service
+        if svc is not None:
+            app.state.metrics.pool_stats(svc.db.pool_stats())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), POOL_STATS_INTERVAL_S)
+
+
+@asynccontextmanager
+async def _background(app: FastAPI, conninfo: str) -> AsyncIterator[None]:
+    state = app.state
+    stop = asyncio.Event()
+    copier = asyncio.create_task(_copy_pool_stats(app, stop))
+    try:
+        async with web.monitors(app, conninfo, state.metrics, enabled=state.monitor):
+            yield
+    finally:
+        stop.set()
+        await copier
+        if state.request_log is not None:
+            state.request_log.flush()
+
+
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Open the app's own pool (when it has one) and run the monitors (when asked)."""
     state = app.state
     owned: OwnedPool | None = state.owned_pool
     if owned is None:  # the caller's Database: it opens and closes it
-        async with web.monitors(app, state.service.db.conninfo, state.metrics,
-                                enabled=state.monitor):
+        async with _background(app, state.service.db.conninfo):
             yield
         return
     database = owned.database(state.metrics)
     await database.open()
     state.service = ReservationService(database, **state.service_options)
     try:
-        async with web.monitors(app, database.conninfo, state.metrics, enabled=state.monitor):
+        async with _background(app, database.conninfo):
             yield
     finally:
         await database.close()
@@ -79,7 +111,8 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
                clock: Clock | None = None, application_name: str = "pgreserve:api",
                pool_min_size: int = 1, monitor: bool = False,
                prepare_threshold: int | None = 5,
-               api_key_cache_s: float = DEFAULT_API_KEY_CACHE_S) -> FastAPI:
+               api_key_cache_s: float = DEFAULT_API_KEY_CACHE_S,
+               request_log: RequestLog | None = None) -> FastAPI:
     """The API over one database: pass a DSN (the app owns its pool) or an open Database.
 
     `clock` replaces the database clock (tests move time by hand). `monitor`
@@ -87,7 +120,9 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     figures go to /metrics and /ops). `prepare_threshold=None` behind PgBouncer
     older than 1.21. `api_key_cache_s`: how long an accepted API key is
     trusted without asking the database again (a revoked key is refused within
-    that time; 0: ask every request).
+    that time; 0: ask every request). `request_log`: where one line per
+    request goes (none when None). The operations endpoints (/metrics, /ops)
+    are not part of this app: see ops_app.create_ops_app.
     """
     if database is None and dsn is None:
         raise ValueError("create_app needs a dsn or a database")
@@ -114,6 +149,7 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     state.inflight = InFlight()
     state.api_keys = ApiKeyCache(api_key_cache_s)
     state.monitor = monitor
+    state.request_log = request_log
     state.service_options = options
     if database is not None:
         state.owned_pool = None
@@ -123,7 +159,7 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
         state.owned_pool = OwnedPool(dsn, pool_size, pool_min_size, application_name,
                                      prepare_threshold)
         state.service = None
-    app.add_middleware(CountRequests, metrics=metrics)
+    app.add_middleware(ObserveRequests, metrics=metrics, log=request_log)
     app.add_middleware(BodyLimit, limit=body_limit)
     return app
 
@@ -139,4 +175,5 @@ def app_from_env() -> FastAPI:
                       prepare_threshold=None if threshold.lower() in ("", "none") else
                       int(threshold),
                       api_key_cache_s=float(os.environ.get("PGRESERVE_API_KEY_CACHE_SECONDS",
-                                                           DEFAULT_API_KEY_CACHE_S)))
+                                                           DEFAULT_API_KEY_CACHE_S)),
+                      request_log=request_log_from_env())

@@ -21,6 +21,7 @@ from .. import validation as check
 from ..core.service import ReservationService
 from . import problems
 from .metrics import ApiMetrics
+from .middleware import TENANT_KEY
 from .models import storable
 
 
@@ -125,6 +126,7 @@ async def tenant_id(request: Request) -> int:
     tenant = await keys.tenant(service(request), credentials)
     if tenant is None:
         raise problems.Unauthorized("unknown API key")
+    request.scope[TENANT_KEY] = tenant  # for the request log line
     return tenant
 
 
