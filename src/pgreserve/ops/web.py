@@ -143,7 +143,7 @@ CHARTS = (
 
 _SCRIPT = """
 const CHARTS = %(charts)s;
-const WINDOW = 300, W = 560, H = 150, PAD = 40, BASE = H - 22;
+const MAX_WINDOW = 300, W = 560, H = 150, PAD = 40, BASE = H - 22;
 const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2"];
 const esc = s => String(s).replace(/[&<>"]/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;",
                                                        '"': "&quot;"})[c]);
@@ -167,14 +167,18 @@ function seriesOf(c, points) {
 }
 function draw(c, points) {
   const svg = document.getElementById("chart-" + c[0]), series = seriesOf(c, points);
-  const t1 = points.length ? points[points.length - 1].t : 0, t0 = t1 - WINDOW;
+  // The x axis spans the points held, at least 30 s and at most five minutes.
+  const t1 = points.length ? points[points.length - 1].t : 0;
+  const WINDOW = Math.min(MAX_WINDOW, Math.max(30, points.length ? t1 - points[0].t : 0));
+  const t0 = t1 - WINDOW;
   let max = 0;
   for (const n in series) for (const [, v] of series[n]) max = Math.max(max, v);
   max = max > 0 ? max * 1.1 : 1;
   const parts = [`<line class="axis" x1="${PAD}" y1="${BASE}" x2="${W}" y2="${BASE}"/>`,
                  `<text class="tick" x="2" y="12">${fmt(max)}</text>`,
                  `<text class="tick" x="2" y="${BASE}">0</text>`,
-                 `<text class="tick" x="${W - 60}" y="${H - 6}">-5 min … now</text>`];
+                 `<text class="tick" x="${PAD}" y="${H - 6}">-${WINDOW.toFixed(0)} s</text>`,
+                 `<text class="tick" x="${W - 24}" y="${H - 6}">now</text>`];
   const legend = [];
   let i = 0, count = 0;
   for (const n in series) {
