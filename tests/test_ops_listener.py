@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
+import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +23,7 @@ from pgreserve import apikeys
 from pgreserve.http import server
 from pgreserve.http.requestlog import RequestLog, format_text
 from pgreserve.http.server import Listeners
-from test_cli_up import free_port
+from test_cli_up import BIN, free_port
 
 OPS_PATHS = ("/metrics", "/ops", "/ops.json", "/ops/series.json", "/ops/tables")
 
@@ -250,3 +253,100 @@ def test_text_request_log_line_keeps_a_hostile_key_on_one_line() -> None:
                         'k\nstatus=500 "x"', 0.01, None))
     assert "\n" not in line
     assert line.count(" status=") == 1 and 'request_key="k\\nstatus=500 \\"x\\""' in line
+
+
+class Process:
+    """`pgreserve ARGS` in a subprocess, its output collected line by line."""
+
+    def __init__(self, args: list[str]) -> None:
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("PGRESERVE_", "PROMETHEUS_"))}
+        self.proc = subprocess.Popen([str(BIN), *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_answering(self, url: str) -> None:
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.proc.poll() is None, self.output
+            try:
+                if httpx.get(url, timeout=5).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, self.output
+            time.sleep(0.2)
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=60)
+        self.reader.join(10)
+        return code
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def requests_counted(ops: str) -> float:
+    """pgreserve_http_requests_total summed over every label (and every process)."""
+    text = httpx.get(ops + "/metrics", timeout=30).text
+    return sum(s.value for f in text_string_to_metric_families(text)
+               if f.name == "pgreserve_http_requests" for s in f.samples)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_serve_puts_ops_on_its_own_listener(dsn: str, workers: int) -> None:
+    """`pgreserve serve` (one process, and --workers 2 with the ops listener in the
+    parent) answers the operations paths 404 on the API port and serves them on
+    --ops-port, where /metrics counts every worker's requests and the page's figures
+    see their holds; each request is one JSON log line without the API key."""
+    key = tenant_with_key(dsn)
+    port, ops_port = free_port(), free_port()
+    api, ops = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{ops_port}"
+    proc = Process(["serve", "--database-url", dsn, "--port", str(port), "--ops-port",
+                    str(ops_port), "--workers", str(workers), "--log-format", "json"])
+    try:
+        proc.wait_answering(api + "/healthz")
+        proc.wait_answering(ops + "/ops/series.json")
+        for path in OPS_PATHS:
+            assert httpx.get(api + path, timeout=30).status_code == 404, path
+            assert httpx.get(ops + path, timeout=30).status_code == 200, path
+        before = requests_counted(ops)
+        traffic(api, key)
+        assert requests_counted(ops) - before == 8  # traffic() sends eight requests
+        text = httpx.get(ops + "/metrics", timeout=30).text
+        assert conformance_problems(text) == []
+        deadline = time.monotonic() + 60
+        auth = {"Authorization": f"Bearer {key}"}
+        moving = False
+        while not moving and time.monotonic() < deadline:
+            httpx.post(api + "/v1/reservations", headers={**auth, "Idempotency-Key":
+                                                          f"more-{time.monotonic()}"},
+                       json={"lines": [{"sku": "cold", "location": "wh", "quantity": 1}]},
+                       timeout=30)
+            time.sleep(1.2)
+            points = httpx.get(ops + "/ops/series.json", timeout=30).json()["points"]
+            moving = any(p["holds_per_s"] > 0 for p in points)
+        assert moving, "the ops listener's figures never saw a hold"
+        assert proc.stop() == 0, proc.output
+    finally:
+        proc.kill()
+    logged = [json.loads(line) for line in proc.lines if line.startswith('{"ts"')]
+    requests = [x for x in logged if x.get("event") == "request"]
+    assert any(x["route"] == "/v1/reservations" and x["status"] == 201 and x["tenant_id"]
+               for x in requests), proc.output
+    assert key not in proc.output and "Bearer" not in proc.output
+    assert '"GET /healthz' not in proc.output  # uvicorn's own access log is off

@@ -201,7 +201,7 @@ async def test_each_metric_moves_with_its_event(db: Database, tenant: Tenant) ->
     assert sample(m, "pgreserve_reservations_by_state", state="claimed") == 1
     assert sample(m, "pgreserve_reservations_by_state", state="expired") == 1
     m.pool_stats(db.pool_stats())
-    assert sample(m, "pgreserve_client_pool", pool="pgreserve:core", stat="requests_num") > 0
+    assert sample(m, "pgreserve_client_pool_requests_total", pool="pgreserve:core") > 0
 
 
 @pytest.mark.parametrize("batching", [False, True], ids=["unbatched", "batched"])
