@@ -165,13 +165,15 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
 
 
 def app_from_env() -> FastAPI:
-    """Factory for `uvicorn --factory` (pgreserve serve --workers N): reads the DSN from env."""
+    """Factory for `uvicorn --factory` (pgreserve serve --workers N): reads the DSN from env.
+
+    No monitors here: the parent process, which serves the ops listener, runs them once.
+    """
     dsn = os.environ.get("PGRESERVE_DATABASE_URL")
     if not dsn:
         raise RuntimeError("PGRESERVE_DATABASE_URL is not set")
     threshold = os.environ.get("PGRESERVE_PREPARE_THRESHOLD", "5")
     return create_app(dsn, pool_size=int(os.environ.get("PGRESERVE_POOL_SIZE", "10")),
-                      monitor=os.environ.get("PGRESERVE_OPS_MONITOR", "") == "1",
                       prepare_threshold=None if threshold.lower() in ("", "none") else
                       int(threshold),
                       api_key_cache_s=float(os.environ.get("PGRESERVE_API_KEY_CACHE_SECONDS",

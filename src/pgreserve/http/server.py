@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Coroutine, Generator
+from collections.abc import Coroutine, Generator, Sequence
 from typing import Any, TypeVar
 
 import uvicorn
 import uvloop
 from fastapi import FastAPI
+from prometheus_client.registry import Collector
 
 from .app import create_app
 from .ops_app import create_ops_app
@@ -47,7 +48,8 @@ def workers_options(host: str, port: int, workers: int, *,
 
 
 def run_workers(host: str, port: int, workers: int, *,
-                ops: tuple[str, int] | None = None, dsn: str | None = None) -> None:
+                ops: tuple[str, int] | None = None, dsn: str | None = None,
+                collectors: Sequence[Collector] = ()) -> None:
     """Serve the API from `workers` processes sharing one socket, until SIGINT or SIGTERM.
 
     The ops listener (when `ops` is given) runs in this, the parent, process,
@@ -59,7 +61,7 @@ def run_workers(host: str, port: int, workers: int, *,
     thread: threading.Thread | None = None
     if ops is not None:
         assert dsn is not None
-        ops_server = OpsServer(create_ops_app(dsn=dsn), *ops)
+        ops_server = OpsServer(create_ops_app(dsn=dsn, collectors=collectors), *ops)
         thread = threading.Thread(target=run, args=(ops_server.serve(),),
                                   name="pgreserve-ops", daemon=True)
         thread.start()
@@ -117,15 +119,17 @@ class Listeners:
 
     The ops app shares the API app's state (its pool, metrics and monitors);
     it starts once the API has opened its pool and stops before it closes it.
+    `collectors` are added to the ops listener's /metrics (PgBouncer's pools, say).
     """
 
     def __init__(self, dsn: str, api: tuple[str, int], ops: tuple[str, int] | None, *,
                  prepare_threshold: int | None = 5, request_log: RequestLog | None = None,
-                 monitor: bool = True) -> None:
+                 monitor: bool = True, collectors: Sequence[Collector] = ()) -> None:
         self.api = ApiServer(dsn, *api, prepare_threshold=prepare_threshold,
                              request_log=request_log)
         self.ops = None if ops is None else OpsServer(
-            create_ops_app(state=self.api.app.state, monitor=monitor), *ops)
+            create_ops_app(state=self.api.app.state, monitor=monitor, collectors=collectors),
+            *ops)
         self.should_exit = False
 
     @property
