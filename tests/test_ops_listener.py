@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -350,3 +351,22 @@ def test_serve_puts_ops_on_its_own_listener(dsn: str, workers: int) -> None:
                for x in requests), proc.output
     assert key not in proc.output and "Bearer" not in proc.output
     assert '"GET /healthz' not in proc.output  # uvicorn's own access log is off
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_serve_with_the_ops_port_taken_exits_with_a_message(dsn: str, workers: int) -> None:
+    """When the ops listener's port is taken, `serve` (one process or --workers 2)
+    exits 1 naming the ops listener's address, without a traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("PGRESERVE_", "PROMETHEUS_"))}
+        out = subprocess.run([str(BIN), "serve", "--database-url", dsn, "--port",
+                              str(free_port()), "--ops-port", str(busy), "--workers",
+                              str(workers)], capture_output=True, text=True, timeout=120,
+                             env=env)
+    assert out.returncode == 1, out.stderr
+    assert f"127.0.0.1:{busy}" in out.stderr and "ops listener" in out.stderr
+    assert "Traceback" not in out.stderr

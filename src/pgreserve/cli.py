@@ -329,13 +329,16 @@ def serve(database_url: str | None, data_dir: str | None, host: str, port: int, 
                 os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(
                     prefix="pgreserve-metrics-")
             from .http.requestlog import configure_logging
-            from .http.server import run_workers
+            from .http.server import ListenerError, run_workers
 
             configure_logging(log_format)
             console.print(f"pgreserve API on http://{host}:{port} ({processes} processes)")
             if serving.ops is not None:
                 console.print(f"ops: http://{serving.ops[0]}:{serving.ops[1]}/ops")
-            run_workers(host, port, processes, ops=serving.ops, dsn=dsn)
+            try:
+                run_workers(host, port, processes, ops=serving.ops, dsn=dsn)
+            except ListenerError as exc:
+                raise click.ClickException(str(exc)) from None
     console.print("pgreserve stopped cleanly")
 
 

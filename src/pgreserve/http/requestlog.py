@@ -121,10 +121,13 @@ class RequestLog:
 
 
 def from_env() -> RequestLog | None:
-    """PGRESERVE_REQUEST_LOG (on unless 0/off/false) and PGRESERVE_LOG_FORMAT (text|json)."""
+    """PGRESERVE_REQUEST_LOG (on unless 0/off/false) and PGRESERVE_LOG_FORMAT (text|json),
+    as `serve --workers N` hands them to its worker processes (their logging too)."""
+    fmt = os.environ.get("PGRESERVE_LOG_FORMAT", "text") or "text"
+    configure_logging(fmt)
     if os.environ.get("PGRESERVE_REQUEST_LOG", "1").lower() in ("0", "off", "false", "no"):
         return None
-    return RequestLog(os.environ.get("PGRESERVE_LOG_FORMAT", "text") or "text")
+    return RequestLog(fmt)
 
 
 class JsonFormatter(logging.Formatter):
@@ -139,10 +142,12 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(fmt: str) -> None:
-    """Put the root logger's handlers on JSON lines when `fmt` is json."""
+    """Give the root logger a stderr handler (warnings and up) when it has none, and
+    put its handlers on JSON lines when `fmt` is json."""
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(level=logging.WARNING,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if fmt == "json":
-        root = logging.getLogger()
-        if not root.handlers:
-            logging.basicConfig()
         for handler in root.handlers:
             handler.setFormatter(JsonFormatter())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 from collections.abc import Coroutine, Generator, Sequence
 from typing import Any, TypeVar
@@ -36,15 +37,21 @@ def run(main: Coroutine[Any, Any, T]) -> T:
         return runner.run(main)
 
 
+class ListenerError(RuntimeError):
+    """A listener could not start (its port taken, its app's startup failed)."""
+
+
 def workers_options(host: str, port: int, workers: int, *,
                     access_log: bool = False) -> dict[str, Any]:
     """uvicorn.run's arguments for `serve --workers N` (uvicorn.Config takes the same).
 
     uvicorn's access log stays off unless asked: the app writes its own request log.
+    `log_config=None`: uvicorn's own lines go through the root logger, in the
+    process's --log-format.
     """
     return {"app": APP_FACTORY, "factory": True, "host": host, "port": port,
             "workers": workers, "loop": LOOP, "http": HTTP, "log_level": "warning",
-            "access_log": access_log}
+            "access_log": access_log, "log_config": None}
 
 
 def run_workers(host: str, port: int, workers: int, *,
@@ -65,6 +72,10 @@ def run_workers(host: str, port: int, workers: int, *,
         thread = threading.Thread(target=run, args=(ops_server.serve(),),
                                   name="pgreserve-ops", daemon=True)
         thread.start()
+        while not ops_server.started and thread.is_alive():
+            thread.join(0.05)
+        if not ops_server.started:
+            raise ListenerError(f"the ops listener could not start on {ops[0]}:{ops[1]}")
     try:
         uvicorn.run(**workers_options(host, port, workers))
     finally:
@@ -76,6 +87,9 @@ def run_workers(host: str, port: int, workers: int, *,
 class ListenerServer(uvicorn.Server):
     """A uvicorn server that leaves SIGINT/SIGTERM to the caller (who sets should_exit).
 
+    Its log lines go through the root logger (`log_config=None`), so they follow
+    --log-format like the service's own.
+
     uvicorn's own handlers re-raise the signal after shutdown, which would kill
     the process before the embedded database is handed back; `pgreserve up`
     stops the listeners, then the workers, then the database, and exits 0.
@@ -85,12 +99,22 @@ class ListenerServer(uvicorn.Server):
     def __init__(self, app: FastAPI, host: str, port: int) -> None:
         self.app = app
         config = uvicorn.Config(app, host=host, port=port, loop=LOOP, http=HTTP,
-                                log_level="warning", lifespan="on", access_log=False)
+                                log_level="warning", lifespan="on", access_log=False,
+                                log_config=None)
         super().__init__(config)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        # uvicorn exits the process when the port is taken or the app's startup
+        # fails (after shutting the app down): here the caller is told through
+        # `started` staying False, and the other listener stops cleanly.
+        try:
+            await super().startup(sockets)
+        except SystemExit:
+            self.should_exit = True
 
     async def wait_started(self, stop: asyncio.Event) -> None:
         """Return once the socket is listening, startup failed, or a stop was asked for."""
