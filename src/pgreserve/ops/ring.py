@@ -125,9 +125,9 @@ class RecentFigures:
         busy: dict[str, float] = {}
         sampler = getattr(self.state, "sampler", None)
         if sampler is not None:
+            # every caller seen, with its connection-seconds outside `idle`
             for (app, state), seconds in sampler.report.connection_seconds.items():
-                if state != "idle":
-                    busy[app] = busy.get(app, 0.0) + seconds
+                busy[app] = busy.get(app, 0.0) + (seconds if state != "idle" else 0.0)
         return Totals(time.time(), held, sold_out, claims, buckets, busy)
 
     async def read_pools(self) -> None:
