@@ -8,7 +8,7 @@ import logging
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
@@ -23,6 +23,9 @@ from .workers.janitor import Janitor, JanitorConfig
 from .workers.replenisher import Replenisher
 from .workers.sweeper import Sweeper
 from .workers.webhooks import WebhookDeliverer
+
+if TYPE_CHECKING:
+    from .http.requestlog import RequestLog
 
 console = Console(stderr=True, soft_wrap=True)
 
@@ -83,7 +86,7 @@ class Serving:
     log_format: str
     request_log: bool
 
-    def log(self) -> Any:
+    def log(self) -> RequestLog | None:
         from .http.requestlog import RequestLog, configure_logging
 
         configure_logging(self.log_format)
@@ -374,8 +377,9 @@ async def _run(dsn: str, *, http: tuple[str, int] | None, workers: bool,
             server = Listeners(dsn, http, serving.ops, request_log=request_log)
             serving_started = asyncio.Event()
             tasks.append(asyncio.create_task(server.serve(stop, serving_started)))
-            await asyncio.wait([asyncio.create_task(serving_started.wait()), tasks[-1]],
-                               return_when=asyncio.FIRST_COMPLETED)
+            waiter = asyncio.create_task(serving_started.wait())
+            await asyncio.wait([waiter, tasks[-1]], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
             if announce and server.started:
                 url = f"http://{http[0]}:{http[1]}"
                 console.print(f"[bold green]pgreserve is up[/] API: {url}  (docs: {url}/docs)")
