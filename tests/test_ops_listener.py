@@ -166,6 +166,7 @@ def test_every_metric_name_follows_the_prometheus_conventions(served: OpsServed,
     assert families["pgreserve_client_pool_connections"] == "gauge"
     assert families["pgreserve_connection_seconds"] == "counter"
     assert families["pgreserve_partition_last_autovacuum_timestamp_seconds"] == "gauge"
+    assert families["pgreserve_db_pool_refills"] == "counter"
     assert "pgreserve_client_pool" not in families
     assert "pgreserve_partition_dead_percent" not in families
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -23,6 +23,8 @@ from prometheus_client import (
     generate_latest,
     multiprocess,
 )
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 # psycopg_pool's get_stats() keys that are levels now: (stat, metric suffix, help).
@@ -62,6 +64,22 @@ def multiprocess_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
+class DatabaseRefills:
+    """Pool refills by mode, database-wide: a running total PostgreSQL keeps
+    (pg_stat_user_functions), exposed as the counter it is, as last read."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(
+            "pgreserve_db_pool_refills", "Pool refills by mode, database-wide since the "
+            "statistics reset (pg_stat_user_functions; needs track_functions)", labels=["mode"])
+        for mode, n in self.counts.items():
+            family.add_metric([mode], n)
+        yield family
+
+
 class OpsMetrics:
     """Every metric of one process, in its own registry (tests build several apps)."""
 
@@ -86,9 +104,10 @@ class OpsMetrics:
                                "replenisher of this process", ["mode"], registry=r)
         self.refill_units = Counter("pgreserve_pool_refill_units", "Units added to pools by "
                                     "the background replenisher", registry=r)
-        self.db_refills = Gauge("pgreserve_db_pool_refills", "Pool refills by mode, "
-                                "database-wide since the statistics reset "
-                                "(pg_stat_user_functions; needs track_functions)", ["mode"], **g)
+        self.recent_errors: deque[dict[str, str]] = deque(maxlen=50)
+        self.extra_collectors: list[Collector] = []
+        self.db_refills = DatabaseRefills()
+        self.register(self.db_refills)
         self.latency = Histogram("pgreserve_operation_seconds", "Latency per operation",
                                  ["operation"], buckets=LATENCY_BUCKETS, registry=r)
         self.pool_units = Gauge("pgreserve_pool_units", "Pool rows of the hot buckets",
@@ -133,8 +152,6 @@ class OpsMetrics:
                                      ["partition"], **g)
         self.xid_age = Gauge("pgreserve_database_xid_age", "age(datfrozenxid) of the database",
                              **g)
-        self.recent_errors: deque[dict[str, str]] = deque(maxlen=50)
-        self.extra_collectors: list[Collector] = []
         self._seen_idle: set[str] = set()
 
     # -- hooks -------------------------------------------------------------------
@@ -230,8 +247,8 @@ class OpsMetrics:
         self.extra_collectors.append(collector)
 
     def figures(self, fig: Any) -> None:
-        self.db_refills.labels("inline").set(fig.refills_inline)
-        self.db_refills.labels("background").set(fig.refills_background)
+        self.db_refills.counts = {"inline": fig.refills_inline,
+                                  "background": fig.refills_background}
         self.pool_units.clear()
         self.held_units.clear()
         for b in fig.hot_buckets:
