@@ -25,12 +25,15 @@ def free_port() -> int:
 
 
 def test_up_tenant_create_reserve_and_sigterm() -> None:
-    """up serves the API on an embedded database; tenant create joins it; SIGTERM exits 0."""
+    """up serves the API on an embedded database and the ops listener on its own port
+    (the operations paths are 404 on the API's); tenant create joins it; each request is
+    a JSON log line without the API key; SIGTERM exits 0."""
     root = Path(tempfile.mkdtemp(prefix="pgr-"))  # short: the socket lives in the data dir
     data = str(root / "data")
-    port = free_port()
+    port, ops_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PGRESERVE_")}
-    proc = subprocess.Popen([str(BIN), "up", "--data-dir", data, "--port", str(port)],
+    proc = subprocess.Popen([str(BIN), "up", "--data-dir", data, "--port", str(port),
+                             "--ops-port", str(ops_port), "--log-format", "json"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     up = threading.Event()
@@ -62,10 +65,19 @@ def test_up_tenant_create_reserve_and_sigterm() -> None:
                                json={"lines": [{"sku": "sku-1", "location": "wh",
                                                 "quantity": 2}]})
             assert resp.status_code == 201 and resp.json()["status"] == "active"
+            for path in ("/metrics", "/ops", "/ops.json"):
+                assert client.get(path).status_code == 404, path
+                assert httpx.get(f"http://127.0.0.1:{ops_port}{path}",
+                                 timeout=30).status_code == 200, path
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, "".join(lines)
         reader.join(timeout=10)
         assert any("stopped cleanly" in x for x in lines)
+        assert any(f"http://127.0.0.1:{ops_port}/ops" in x for x in lines)
+        logged = [json.loads(x) for x in lines if x.startswith('{"ts"')]
+        assert any(x.get("route") == "/v1/reservations" and x.get("status") == 201
+                   and x.get("request_key") == "order-1" for x in logged), lines
+        assert doc["api_key"] not in "".join(lines)
     finally:
         if proc.poll() is None:
             proc.kill()

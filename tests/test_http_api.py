@@ -199,13 +199,19 @@ async def test_other_tenants_reservation_is_404_everywhere(
     assert (await api.client.get(f"/v1/reservations/{rid}")).json()["status"] == "active"
 
 
-async def test_healthz_and_metrics(api: ApiTenant) -> None:
-    """healthz answers ok; metrics counts requests by route and status, and reserve outcomes."""
+async def test_healthz_and_metrics(api: ApiTenant, app: Any) -> None:
+    """healthz answers ok; the ops app's metrics count the API's requests by route and
+    status, and reserve outcomes."""
+    from pgreserve.http.ops_app import create_ops_app
+
     assert (await api.client.get("/healthz")).json() == {"status": "ok"}
     await put_stock(api, "s", 1)
     await reserve(api, "k1", [("s", "wh", 1)])
     await reserve(api, "k2", [("s", "wh", 1)])
-    text = (await api.client.get("/metrics")).text
+    ops = httpx.AsyncClient(transport=httpx.ASGITransport(app=create_ops_app(state=app.state)),
+                            base_url="http://ops")
+    async with ops:
+        text = (await ops.get("/metrics")).text
     assert ('pgreserve_http_requests_total{method="PUT",route="/v1/stock/{location}/{sku}",'
             'status="200"} 1.0') in text
     assert 'route="/v1/reservations",status="201"} 1.0' in text

@@ -53,3 +53,34 @@ def test_ops_holdtime_and_bloat_views(dsn: str) -> None:
     out = runner.invoke(main, ["ops", "bloat", "--json", "--database-url", dsn])
     assert out.exit_code == 0, out.output
     assert len(json.loads(out.output)["partitions"]) == 16
+
+
+READER_WITH_COLLECTOR = """
+from prometheus_client.core import GaugeMetricFamily
+from pgreserve.ops.metrics import OpsMetrics
+
+class Bouncer:
+    def collect(self):
+        yield GaugeMetricFamily("pgreserve_test_extra_clients", "an extra collector", value=3)
+
+m = OpsMetrics()
+m.register(Bouncer())
+print(m.render().decode())
+"""
+
+
+def test_registered_collectors_are_exposed_beside_every_process_values() -> None:
+    """A collector added with OpsMetrics.register (how the ops listener takes extra
+    figures) is in /metrics' text, in multiprocess mode too, beside the workers' sums."""
+    with tempfile.TemporaryDirectory(prefix="pgreserve-metrics-") as path:
+        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": path}
+        subprocess.run([sys.executable, "-c", WRITER], env=env, check=True, timeout=60)
+        text = subprocess.run([sys.executable, "-c", READER_WITH_COLLECTOR], env=env,
+                              check=True, timeout=60, capture_output=True).stdout.decode()
+        single = subprocess.run([sys.executable, "-c", READER_WITH_COLLECTOR],
+                                env={k: v for k, v in env.items()
+                                     if k != "PROMETHEUS_MULTIPROC_DIR"},
+                                check=True, timeout=60, capture_output=True).stdout.decode()
+    assert "pgreserve_test_extra_clients 3.0" in text
+    assert "pgreserve_claims_total 1.0" in text
+    assert "pgreserve_test_extra_clients 3.0" in single

@@ -196,12 +196,12 @@ async def test_each_metric_moves_with_its_event(db: Database, tenant: Tenant) ->
         m.figures(fig)
         return fig.refills_inline >= 1 and fig.refills_background >= 1
     await eventually(refill_stats, "pg_stat_user_functions counts both refill kinds")
-    assert sample(m, "pgreserve_db_pool_refills", mode="inline") >= 1
+    assert sample(m, "pgreserve_db_pool_refills_total", mode="inline") >= 1
     assert sample(m, "pgreserve_pool_units", tenant="acme", sku="hot", location="wh") == 4
     assert sample(m, "pgreserve_reservations_by_state", state="claimed") == 1
     assert sample(m, "pgreserve_reservations_by_state", state="expired") == 1
     m.pool_stats(db.pool_stats())
-    assert sample(m, "pgreserve_client_pool", pool="pgreserve:core", stat="requests_num") > 0
+    assert sample(m, "pgreserve_client_pool_requests_total", pool="pgreserve:core") > 0
 
 
 @pytest.mark.parametrize("batching", [False, True], ids=["unbatched", "batched"])

@@ -4,19 +4,29 @@ database's figures."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
+import json
+import os
 import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
+from collections.abc import AsyncIterator
 from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
 
+import aiohttp
 import httpx
 import psycopg
 import pytest
 
 from pgreserve import ReservationService, Tenant
-from test_http_schema import Served
+from test_cli_up import free_port
+from test_ops_listener import OpsServed, tenant_with_key
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -77,12 +87,14 @@ def dump_dom(url: str) -> str:
 
 
 def test_page_is_self_contained(dsn: str) -> None:
-    """The page loads nothing from elsewhere (no src/href attributes, no scripts) and
-    refreshes itself."""
-    with Served(dsn) as srv:
-        page = httpx.get(f"http://127.0.0.1:{srv.port}/ops?refresh=7").text
-    assert '<meta http-equiv="refresh" content="7">' in page
-    assert not re.search(r"\b(src|href)\s*=", page) and "<script" not in page
+    """The page loads nothing from elsewhere: no src/href attributes, no URL with a host,
+    its one script inline, and it fetches only its own listener's /ops paths."""
+    with OpsServed(dsn) as srv:
+        page = httpx.get(f"{srv.ops}/ops").text
+    assert not re.search(r"\b(src|href)\s*=", page)
+    assert not re.search(r"(https?:)?//[a-z0-9]", page, re.I)
+    assert page.count("<script>") == 1 and "<script " not in page
+    assert re.findall(r'fetch\("([^"]+)"', page) == ["/ops/series.json", "/ops/tables"]
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed "
@@ -106,8 +118,8 @@ async def test_ops_page_in_chromium_shows_the_database_figures(
             " reservation_line WHERE held), (SELECT on_hand FROM stock_bucket)").fetchone()  # type: ignore[misc]  # the query always returns one row
         states: dict[str, int] = dict(conn.execute("SELECT status, count(*) FROM reservation GROUP BY 1")
                       .fetchall())
-    with Served(dsn) as srv:
-        url = f"http://127.0.0.1:{srv.port}/ops"
+    with OpsServed(dsn) as srv:
+        url = f"{srv.ops}/ops"
         deadline = time.monotonic() + 30
         while True:  # the server's own sampler has taken a sample
             doc = (await asyncio.to_thread(httpx.get, f"{url}.json")).json()
@@ -125,3 +137,128 @@ async def test_ops_page_in_chromium_shows_the_database_figures(
     callers = {r[0] for r in page.tables["hold-time"]}
     assert {"pgreserve:ops", "pgreserve:bloat"} & callers, callers
     assert page.spans["xid-age"].isdigit()
+
+
+class Chromium:
+    """Headless Chromium driven over the DevTools protocol (aiohttp's websocket client)."""
+
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse) -> None:
+        self.ws = ws
+        self.next_id = 0
+
+    async def call(self, method: str, **params: Any) -> dict[str, Any]:
+        self.next_id += 1
+        await self.ws.send_json({"id": self.next_id, "method": method, "params": params})
+        while True:
+            msg = await self.ws.receive_json(timeout=60)
+            if msg.get("id") == self.next_id:
+                assert "error" not in msg, msg
+                result: dict[str, Any] = msg["result"]
+                return result
+
+    async def evaluate(self, expression: str) -> Any:
+        out = await self.call("Runtime.evaluate", expression=expression, returnByValue=True,
+                              awaitPromise=True)
+        return out["result"].get("value")
+
+
+@contextlib.asynccontextmanager
+async def chromium() -> AsyncIterator[Chromium]:
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="pgreserve-chromium-") as profile:
+        proc = await asyncio.create_subprocess_exec(
+            str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            "--no-first-run", "--disable-dev-shm-usage", "--hide-scrollbars",
+            f"--user-data-dir={profile}", f"--remote-debugging-port={port}",
+            "--remote-allow-origins=*", "--window-size=1240,1400", "about:blank",
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            async with aiohttp.ClientSession() as http:
+                deadline = time.monotonic() + 60
+                while True:
+                    try:
+                        async with http.get(f"http://127.0.0.1:{port}/json/list") as r:
+                            pages = [t for t in await r.json() if t["type"] == "page"]
+                        if pages:
+                            break
+                    except aiohttp.ClientError:
+                        pass
+                    assert time.monotonic() < deadline, "chromium did not open its debug port"
+                    await asyncio.sleep(0.2)
+                async with http.ws_connect(pages[0]["webSocketDebuggerUrl"],
+                                           max_msg_size=0) as ws:
+                    yield Chromium(ws)
+        finally:
+            proc.terminate()
+            await asyncio.wait_for(proc.wait(), 30)
+
+
+CHART_STATE = """JSON.stringify([...document.querySelectorAll("svg[id^=chart-]")].map(s => ({
+  id: s.id.slice(6), points: +(s.dataset.points || 0), last_t: +(s.dataset.lastT || 0),
+  updates: +(s.dataset.updates || 0), lines: s.querySelectorAll("polyline").length,
+  xy: [...s.querySelectorAll("polyline")].map(p => p.getAttribute("points")).join("|")})))"""
+
+
+def load(base: str, key: str, stop: threading.Event) -> None:
+    """Buyers until `stop`: holds on a pool bucket, then claims or releases; sold-out
+    answers on a bucket of three units."""
+    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"},
+                      timeout=30) as c:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            sku = "hot" if i % 4 else "scarce"
+            r = c.post("/v1/reservations", headers={"Idempotency-Key": f"buyer-{i}"},
+                       json={"lines": [{"sku": sku, "location": "wh", "quantity": 1}]})
+            if r.status_code == 201 and i % 3:
+                c.post(f"/v1/reservations/{r.json()['id']}/{'claim' if i % 2 else 'release'}")
+            time.sleep(0.02)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed "
+                    "(.ci/run installs it); this test renders /ops in headless Chromium")
+async def test_live_page_in_chromium_charts_figures_that_move(dsn: str,
+                                                              tmp_path: Path) -> None:
+    """Under load, Chromium's /ops redraws its seven charts from the ring every second:
+    later readings have more points and new times, holds/s and p99 have data, the pool
+    level, dead-tuple ratio and connection-seconds charts have lines; a PNG screenshot
+    is taken (and copied to docs/ops-page.png with PGRESERVE_UPDATE_SCREENSHOT=1)."""
+    key = tenant_with_key(dsn)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT stock_set_v1(tenant_id, 'hot', 'wh', 100000, 'pool', false, 200,"
+                     " NULL) FROM tenant")
+        conn.execute("SELECT stock_set_v1(tenant_id, 'scarce', 'wh', 3, NULL, false, NULL,"
+                     " NULL) FROM tenant")
+    stop = threading.Event()
+    with OpsServed(dsn) as srv:
+        buyers = threading.Thread(target=load, args=(srv.api, key, stop), daemon=True)
+        buyers.start()
+        try:
+            async with chromium() as page:
+                await page.call("Page.enable")
+                await page.call("Page.navigate", url=f"{srv.ops}/ops")
+                await asyncio.sleep(4)
+                before = {c["id"]: c for c in json.loads(await page.evaluate(CHART_STATE))}
+                await asyncio.sleep(5)
+                after = {c["id"]: c for c in json.loads(await page.evaluate(CHART_STATE))}
+                status = await page.evaluate('document.getElementById("status").textContent')
+                shot = await page.call("Page.captureScreenshot", format="png",
+                                       captureBeyondViewport=True)
+        finally:
+            stop.set()
+            buyers.join(30)
+    assert set(after) == {"holds", "sold-out", "claims", "p99", "pool", "dead", "conn"}
+    assert status.startswith("live"), status
+    for cid, chart in after.items():
+        assert chart["updates"] > before[cid]["updates"] >= 1, (cid, before[cid], chart)
+        assert chart["last_t"] > before[cid]["last_t"], cid
+        assert chart["lines"] >= 1, (cid, chart)
+    for cid in ("holds", "claims", "p99"):
+        assert after[cid]["points"] > before[cid]["points"] >= 1, (cid, before[cid], after[cid])
+        assert after[cid]["xy"] != before[cid]["xy"], cid
+    png = base64.b64decode(shot["data"])
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    (tmp_path / "ops-page.png").write_bytes(png)
+    if os.environ.get("PGRESERVE_UPDATE_SCREENSHOT") == "1":
+        (Path(__file__).parent.parent / "docs" / "ops-page.png").write_bytes(png)

@@ -20,6 +20,7 @@ from pgbouncer import PgBouncer
 from pgreserve import Database
 from pgreserve.cli import main
 from pgreserve.db.embedded import EmbeddedServer
+from pgreserve.http.ops_app import create_ops_app
 from pgreserve.ops.pgbouncer import PgBouncerMonitor
 
 
@@ -131,13 +132,20 @@ async def test_a_client_waiting_in_pgbouncer_shows_in_doctor_and_metrics(
         assert f"{name}/postgres: cl_waiting=1, maxwait=" in waiting_finding["found"]
         assert found["pgbouncer pool_mode"]["status"] == "ok"
 
-        app = create_app(database=db, pgbouncer_admin_url=admin)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            text = (await client.get("/metrics")).text
-        await app.state.pgbouncer.close()
-        assert (f'pgreserve_pgbouncer_clients_waiting{{database="{name}",user="postgres"}} 1.0'
-                in text)
+        # The ops listener's /metrics, beside the API (sharing its state) and
+        # alone (serve --workers N: the parent reads PgBouncer itself).
+        api = create_app(database=db, pgbouncer_admin_url=admin)
+        beside = create_ops_app(state=api.state, monitor=False)
+        alone = create_ops_app(dsn=dsn, monitor=False, pgbouncer_admin_url=admin)
+        for ops in (beside, alone):
+            async with ops.router.lifespan_context(ops):
+                transport = httpx.ASGITransport(app=ops)
+                async with httpx.AsyncClient(transport=transport,
+                                             base_url="http://test") as client:
+                    text = (await client.get("/metrics")).text
+            assert (f'pgreserve_pgbouncer_clients_waiting{{database="{name}",user="postgres"}}'
+                    ' 1.0' in text)
+        await api.state.pgbouncer.close()
         holder.commit()
     await waiting
     await waiter.close()

@@ -7,7 +7,8 @@ import json
 import logging
 import signal
 import sys
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
@@ -22,6 +23,9 @@ from .workers.janitor import Janitor, JanitorConfig
 from .workers.replenisher import Replenisher
 from .workers.sweeper import Sweeper
 from .workers.webhooks import WebhookDeliverer
+
+if TYPE_CHECKING:
+    from .http.requestlog import RequestLog
 
 console = Console(stderr=True, soft_wrap=True)
 
@@ -44,6 +48,22 @@ http_options = [
                  help="Address the HTTP API listens on."),
     click.option("--port", envvar="PGRESERVE_PORT", default=8000, show_default=True, type=int,
                  help="Port of the HTTP API."),
+]
+
+ops_options = [
+    click.option("--ops-host", envvar="PGRESERVE_OPS_HOST", default="127.0.0.1",
+                 show_default=True,
+                 help="Address of the ops listener (/metrics, /ops, operator routes)."),
+    click.option("--ops-port", envvar="PGRESERVE_OPS_PORT", default=9187, show_default=True,
+                 type=click.IntRange(1, 65535), help="Port of the ops listener."),
+    click.option("--ops/--no-ops", "ops_enabled", envvar="PGRESERVE_OPS", default=True,
+                 show_default=True, help="Serve the ops listener."),
+    click.option("--log-format", envvar="PGRESERVE_LOG_FORMAT", default="text",
+                 show_default=True, type=click.Choice(["text", "json"]),
+                 help="Format of the request log and the other log lines."),
+    click.option("--request-log/--no-request-log", envvar="PGRESERVE_REQUEST_LOG",
+                 default=True, show_default=True,
+                 help="One line per request on stderr (uvicorn's access log stays off)."),
 ]
 
 retention_option = click.option(
@@ -72,7 +92,7 @@ http_options += [
 
 
 def with_http(f: Any) -> Any:
-    for option in reversed(http_options):
+    for option in reversed(http_options + ops_options):
         f = option(f)
     return f
 
@@ -82,6 +102,26 @@ def _api_options(request_deadline_seconds: float, tenant_max_in_flight: int,
     return {"request_deadline_s": request_deadline_seconds,
             "tenant_max_in_flight": tenant_max_in_flight,
             "pgbouncer_admin_url": pgbouncer_admin_url}
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What `up` and `serve` were asked to serve besides the API itself."""
+
+    ops: tuple[str, int] | None
+    log_format: str
+    request_log: bool
+
+    def log(self) -> RequestLog | None:
+        from .http.requestlog import RequestLog, configure_logging
+
+        configure_logging(self.log_format)
+        return RequestLog(self.log_format) if self.request_log else None
+
+
+def _serving(ops_host: str, ops_port: int, ops_enabled: bool, log_format: str,
+             request_log: bool) -> Serving:
+    return Serving((ops_host, ops_port) if ops_enabled else None, log_format, request_log)
 
 
 class _Group(click.Group):
@@ -267,18 +307,20 @@ def worker(database_url: str | None, data_dir: str | None, key_retention_hours: 
 @with_db
 @with_http
 @retention_option
-def up(database_url: str | None, data_dir: str | None, host: str, port: int,
+def up(database_url: str | None, data_dir: str | None, host: str, port: int, ops_host: str,
+       ops_port: int, ops_enabled: bool, log_format: str, request_log: bool,
        request_deadline_seconds: float, tenant_max_in_flight: int,
        pgbouncer_admin_url: str | None, key_retention_hours: float) -> None:
-    """Start everything: the database (embedded unless a URL is given), migrated, the HTTP API
-    and the workers, in one process."""
+    """Start everything: the database (embedded unless a URL is given), migrated, the HTTP API,
+    the ops listener and the workers, in one process."""
+    serving = _serving(ops_host, ops_port, ops_enabled, log_format, request_log)
     with _dsn(database_url, data_dir) as dsn:
         applied = migrations.migrate(dsn)
         for m in applied:
             console.print(f"applied migration {m.version:04d}_{m.name}")
         from .http.server import run
 
-        run(_run(dsn, http=(host, port), workers=True,
+        run(_run(dsn, http=(host, port), workers=True, serving=serving,
                  key_retention_hours=key_retention_hours, announce=True,
                  api_options=_api_options(request_deadline_seconds, tenant_max_in_flight,
                                           pgbouncer_admin_url)))
@@ -290,10 +332,15 @@ def up(database_url: str | None, data_dir: str | None, host: str, port: int,
 @with_http
 @click.option("--workers", "processes", default=1, show_default=True,
               type=click.IntRange(1, 64), help="HTTP server processes.")
-def serve(database_url: str | None, data_dir: str | None, host: str, port: int,
+def serve(database_url: str | None, data_dir: str | None, host: str, port: int, ops_host: str,
+          ops_port: int, ops_enabled: bool, log_format: str, request_log: bool,
           request_deadline_seconds: float, tenant_max_in_flight: int,
           pgbouncer_admin_url: str | None, processes: int) -> None:
-    """Run the HTTP API only (run `pgreserve worker` beside it)."""
+    """Run the HTTP API and the ops listener (run `pgreserve worker` beside them).
+
+    With --workers N the API runs in N processes and the ops listener in the
+    parent process, which aggregates the workers' metrics."""
+    serving = _serving(ops_host, ops_port, ops_enabled, log_format, request_log)
     api_options = _api_options(request_deadline_seconds, tenant_max_in_flight,
                                pgbouncer_admin_url)
     with _dsn(database_url, data_dir) as dsn:
@@ -301,7 +348,7 @@ def serve(database_url: str | None, data_dir: str | None, host: str, port: int,
         if processes == 1:
             from .http.server import run
 
-            run(_run(dsn, http=(host, port), workers=False, announce=True,
+            run(_run(dsn, http=(host, port), workers=False, serving=serving, announce=True,
                      api_options=api_options))
         else:
             import os
@@ -312,6 +359,9 @@ def serve(database_url: str | None, data_dir: str | None, host: str, port: int,
             os.environ["PGRESERVE_TENANT_MAX_IN_FLIGHT"] = str(tenant_max_in_flight)
             if pgbouncer_admin_url:
                 os.environ["PGRESERVE_PGBOUNCER_ADMIN_URL"] = pgbouncer_admin_url
+            # The worker processes build their app from the environment.
+            os.environ["PGRESERVE_LOG_FORMAT"] = log_format
+            os.environ["PGRESERVE_REQUEST_LOG"] = "1" if request_log else "0"
             # prometheus_client multiprocess mode: each worker writes its values
             # to files in this directory and /metrics aggregates them.
             if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
@@ -319,16 +369,24 @@ def serve(database_url: str | None, data_dir: str | None, host: str, port: int,
 
                 os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(
                     prefix="pgreserve-metrics-")
-            from .http.server import run_workers
+            from .http.requestlog import configure_logging
+            from .http.server import ListenerError, run_workers
 
+            configure_logging(log_format)
             console.print(f"pgreserve API on http://{host}:{port} ({processes} processes)")
-            run_workers(host, port, processes)
+            if serving.ops is not None:
+                console.print(f"ops: http://{serving.ops[0]}:{serving.ops[1]}/ops")
+            try:
+                run_workers(host, port, processes, ops=serving.ops, dsn=dsn,
+                            pgbouncer_admin_url=pgbouncer_admin_url)
+            except ListenerError as exc:
+                raise click.ClickException(str(exc)) from None
     console.print("pgreserve stopped cleanly")
 
 
 async def _run(dsn: str, *, http: tuple[str, int] | None, workers: bool,
-               key_retention_hours: float = 24.0, announce: bool = False,
-               api_options: dict[str, Any] | None = None) -> None:
+               serving: Serving | None = None, key_retention_hours: float = 24.0,
+               announce: bool = False, api_options: dict[str, Any] | None = None) -> None:
     """Run the API and/or the workers in this event loop until SIGINT or SIGTERM."""
     from datetime import timedelta
 
@@ -351,14 +409,23 @@ async def _run(dsn: str, *, http: tuple[str, int] | None, workers: bool,
                       Janitor(service, JanitorConfig(keep=keep)), deliverer):
                 tasks.append(asyncio.create_task(run_forever(w, stop)))
         if http is not None:
-            from .http.server import ApiServer
+            from .http.server import Listeners
 
-            server = ApiServer(dsn, *http, monitor=True, **(api_options or {}))
-            tasks.append(asyncio.create_task(server.serve()))
-            await server.wait_started(stop)
+            serving = serving or Serving(None, "text", False)
+            request_log = serving.log()
+            server = Listeners(dsn, http, serving.ops, request_log=request_log,
+                               api_options=api_options)
+            serving_started = asyncio.Event()
+            tasks.append(asyncio.create_task(server.serve(stop, serving_started)))
+            waiter = asyncio.create_task(serving_started.wait())
+            await asyncio.wait([waiter, tasks[-1]], return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
             if announce and server.started:
                 url = f"http://{http[0]}:{http[1]}"
                 console.print(f"[bold green]pgreserve is up[/] API: {url}  (docs: {url}/docs)")
+                if serving.ops is not None:
+                    ops_url = f"http://{serving.ops[0]}:{serving.ops[1]}"
+                    console.print(f"ops: {ops_url}/ops  metrics: {ops_url}/metrics")
                 console.print(f"database: {dsn}")
                 console.print("create a tenant and its API key with:  pgreserve tenant create "
                               "NAME  (with the same --data-dir / --database-url)")
@@ -372,13 +439,17 @@ async def _run(dsn: str, *, http: tuple[str, int] | None, workers: bool,
         if server is not None:
             server.should_exit = True
         results = await asyncio.gather(*tasks, return_exceptions=True)
+        if server is not None and server.api.app.state.request_log is not None:
+            server.api.app.state.request_log.close()
         if deliverer is not None:
             await deliverer.aclose()  # hand back endpoint leases while the pool is open
         stop_task.cancel()
     failed = [r for r in results if isinstance(r, BaseException)]
     if server is not None and not server.started:
-        raise click.ClickException(f"the HTTP server could not start on {http[0]}:{http[1]}"
-                                   if http else "the HTTP server could not start")
+        where = f" on {http[0]}:{http[1]}" if http else ""
+        if serving is not None and serving.ops is not None:
+            where += f" (ops listener {serving.ops[0]}:{serving.ops[1]})"
+        raise click.ClickException(f"the HTTP server could not start{where}")
     if failed:
         raise failed[0]
 

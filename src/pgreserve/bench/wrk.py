@@ -232,10 +232,15 @@ class Server:
 
 
 def service_argv(dsn: str, port: int, workers: int) -> list[str]:
-    """`pgreserve serve --workers N` on 127.0.0.1:port over the given database."""
+    """`pgreserve serve --workers N` on 127.0.0.1:port over the given database.
+
+    Its ops listener on a free port of its own (never the default one, which
+    another server may hold); the request log off, as in the figures measured
+    before it existed (docs/benchmarks.md).
+    """
     return [sys.executable, "-c", "from pgreserve.cli import main; main()", "serve",
             "--workers", str(workers), "--host", "127.0.0.1", "--port", str(port),
-            "--database-url", dsn]
+            "--ops-port", str(free_port()), "--no-request-log", "--database-url", dsn]
 
 
 def bare_argv(port: int, workers: int) -> list[str]:

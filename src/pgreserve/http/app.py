@@ -9,6 +9,8 @@ effect. The routes live in routes/, one router per resource.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import os
 from collections.abc import AsyncIterator
@@ -26,8 +28,10 @@ from .admission import DEFAULT_REQUEST_DEADLINE_S, Admission, TenantLimit, check
 from .dependencies import ApiKeyCache, InFlight, known_query_only
 from .exception_handlers import EXCEPTION_HANDLERS
 from .metrics import ApiMetrics
-from .middleware import BodyLimit, CountRequests
+from .middleware import BodyLimit, ObserveRequests
 from .openapi import openapi_schema
+from .requestlog import RequestLog
+from .requestlog import from_env as request_log_from_env
 from .responses import REPLAYED_HEADER
 from .routes import ROUTERS
 
@@ -56,6 +60,35 @@ class OwnedPool:
                         observer=metrics.db_event, prepare_threshold=self.prepare_threshold)
 
 
+# How often an API process copies its client pools' statistics into its
+# metrics (for the ops listener, which may be another process).
+POOL_STATS_INTERVAL_S = 5.0
+
+
+async def _copy_pool_stats(app: FastAPI, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        svc = app.state.service
+        if svc is not None:
+            app.state.metrics.pool_stats(svc.db.pool_stats())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), POOL_STATS_INTERVAL_S)
+
+
+@asynccontextmanager
+async def _background(app: FastAPI, conninfo: str) -> AsyncIterator[None]:
+    state = app.state
+    stop = asyncio.Event()
+    copier = asyncio.create_task(_copy_pool_stats(app, stop))
+    try:
+        async with web.monitors(app, conninfo, state.metrics, enabled=state.monitor):
+            yield
+    finally:
+        stop.set()
+        await copier
+        if state.request_log is not None:
+            state.request_log.flush()
+
+
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Open the app's own pool (when it has one) and run the monitors (when asked)."""
@@ -64,16 +97,14 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     pgbouncer: PgBouncerMonitor | None = state.pgbouncer
     try:
         if owned is None:  # the caller's Database: it opens and closes it
-            async with web.monitors(app, state.service.db.conninfo, state.metrics,
-                                    enabled=state.monitor):
+            async with _background(app, state.service.db.conninfo):
                 yield
             return
         database = owned.database(state.metrics)
         await database.open()
         state.service = ReservationService(database, **state.service_options)
         try:
-            async with web.monitors(app, database.conninfo, state.metrics,
-                                    enabled=state.monitor):
+            async with _background(app, database.conninfo):
                 yield
         finally:
             await database.close()
@@ -90,7 +121,8 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
                api_key_cache_s: float = DEFAULT_API_KEY_CACHE_S,
                request_deadline_s: float = DEFAULT_REQUEST_DEADLINE_S,
                tenant_max_in_flight: int = 0,
-               pgbouncer_admin_url: str | None = None) -> FastAPI:
+               pgbouncer_admin_url: str | None = None,
+               request_log: RequestLog | None = None) -> FastAPI:
     """The API over one database: pass a DSN (the app owns its pool) or an open Database.
 
     `clock` replaces the database clock (tests move time by hand). `monitor`
@@ -102,8 +134,10 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     deadline (the connection wait, statement_timeout and retries fit inside it;
     past it: 503 busy). `tenant_max_in_flight`: at most this many requests of one
     tenant at once in this process (429 beyond; 0: no limit).
-    `pgbouncer_admin_url`: PgBouncer's admin console, whose pool figures /metrics
-    then shows (ops/pgbouncer.py).
+    `pgbouncer_admin_url`: PgBouncer's admin console, whose pool figures the ops
+    listener's /metrics then shows (ops/pgbouncer.py). `request_log`: where one
+    line per request goes (none when None). The operations endpoints (/metrics,
+    /ops) are not part of this app: see ops_app.create_ops_app.
     """
     check_deadline(request_deadline_s)
     limit = TenantLimit(tenant_max_in_flight)
@@ -132,6 +166,7 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     state.inflight = InFlight()
     state.api_keys = ApiKeyCache(api_key_cache_s)
     state.monitor = monitor
+    state.request_log = request_log
     state.service_options = options
     state.tenant_limit = limit
     state.pgbouncer = (PgBouncerMonitor(pgbouncer_admin_url, metrics.registry)
@@ -145,24 +180,26 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
                                      prepare_threshold)
         state.service = None
     app.add_middleware(Admission, deadline_s=request_deadline_s, limit=limit)
-    app.add_middleware(CountRequests, metrics=metrics)
+    app.add_middleware(ObserveRequests, metrics=metrics, log=request_log)
     app.add_middleware(BodyLimit, limit=body_limit)
     return app
 
 
 def app_from_env() -> FastAPI:
-    """Factory for `uvicorn --factory` (pgreserve serve --workers N): reads the DSN from env."""
+    """Factory for `uvicorn --factory` (pgreserve serve --workers N): reads the DSN from env.
+
+    No monitors here: the parent process, which serves the ops listener, runs them once.
+    """
     dsn = os.environ.get("PGRESERVE_DATABASE_URL")
     if not dsn:
         raise RuntimeError("PGRESERVE_DATABASE_URL is not set")
     threshold = os.environ.get("PGRESERVE_PREPARE_THRESHOLD", "5")
     return create_app(dsn, pool_size=int(os.environ.get("PGRESERVE_POOL_SIZE", "10")),
-                      monitor=os.environ.get("PGRESERVE_OPS_MONITOR", "") == "1",
                       prepare_threshold=None if threshold.lower() in ("", "none") else
                       int(threshold),
                       api_key_cache_s=float(os.environ.get("PGRESERVE_API_KEY_CACHE_SECONDS",
                                                            DEFAULT_API_KEY_CACHE_S)),
-                      **admission_from_env())
+                      request_log=request_log_from_env(), **admission_from_env())
 
 
 def admission_from_env() -> dict[str, Any]:

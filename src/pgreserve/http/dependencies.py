@@ -21,6 +21,7 @@ from .. import validation as check
 from ..core.service import ReservationService
 from . import admission, problems
 from .metrics import ApiMetrics
+from .middleware import TENANT_KEY
 from .models import storable
 
 
@@ -126,6 +127,7 @@ async def tenant_id(request: Request) -> int:
     if tenant is None:
         raise problems.Unauthorized("unknown API key")
     admission.admit(tenant)  # 429 over the tenant's in-flight limit
+    request.scope[TENANT_KEY] = tenant  # for the request log line
     return tenant
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from ..ops.metrics import OpsMetrics
+from ..ops.metrics import LATENCY_BUCKETS, OpsMetrics
 
 
 class ApiMetrics(OpsMetrics):
@@ -13,9 +13,15 @@ class ApiMetrics(OpsMetrics):
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         super().__init__(registry)
         r = self.registry
+        # `route` is the route template (/v1/reservations/{reservation_id}) or
+        # "unmatched", never the raw path: the label set stays bounded.
         self.http_requests = Counter(
             "pgreserve_http_requests", "HTTP requests by route and status",
             ["method", "route", "status"], registry=r)
+        self.http_duration = Histogram(
+            "pgreserve_http_request_duration_seconds", "Time from the request's arrival to "
+            "the end of its response, by route template and status",
+            ["method", "route", "status"], buckets=LATENCY_BUCKETS, registry=r)
         self.http_reserve_outcomes = Counter(
             "pgreserve_reservation_outcomes", "Reserve requests by outcome",
             ["outcome", "replayed"], registry=r)

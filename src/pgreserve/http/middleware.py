@@ -1,12 +1,15 @@
-"""ASGI middleware of the API: the body limit and the request counter."""
+"""ASGI middleware of the API: the body limit, and the request metrics and log line."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from . import problems
 from .metrics import ApiMetrics
+from .requestlog import KEY_CHARS, RequestLog, outcome_of
+from .responses import REPLAYED_HEADER
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -62,28 +65,62 @@ class BodyLimit:
         await problems.problem_response(too_large)(scope, receive, send)
 
 
-class CountRequests:
-    """Count every response by method, route template and status."""
+# Set on the ASGI scope by the tenant_id dependency and by problem responses,
+# read back here once the response is out.
+TENANT_KEY = "pgreserve.tenant"
+ERROR_KEY = problems.ERROR_SCOPE_KEY
+_REPLAYED = REPLAYED_HEADER.lower().encode()
+_KEY_HEADER = b"idempotency-key"
 
-    def __init__(self, app: ASGIApp, metrics: ApiMetrics) -> None:
+
+class ObserveRequests:
+    """Count and time every response by method, route template and status; log it.
+
+    Only the route template (or "unmatched") is a label, so the series stay
+    bounded whatever paths clients send. The log line (when `log` is given) is
+    an entry on RequestLog's queue: formatting and writing happen off the loop.
+    """
+
+    def __init__(self, app: ASGIApp, metrics: ApiMetrics, log: RequestLog | None = None) -> None:
         self.app = app
         self.metrics = metrics
+        self.log = log
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        started = time.perf_counter()
         status = 500
+        replayed = False
+        error: str | None = None
 
         async def capture(message: Message) -> None:
-            nonlocal status
+            nonlocal status, replayed
             if message["type"] == "http.response.start":
                 status = int(message["status"])
+                replayed = any(name == _REPLAYED for name, _ in message.get("headers", ()))
             await send(message)
 
         try:
             await self.app(scope, receive, capture)
+        except Exception as exc:
+            error = type(exc).__name__
+            raise
         finally:
+            seconds = time.perf_counter() - started
             route = scope.get("route")
             path = getattr(route, "path", None) or "unmatched"
-            self.metrics.http_requests.labels(scope.get("method", ""), path, str(status)).inc()
+            method = scope.get("method", "")
+            code = str(status)
+            self.metrics.http_requests.labels(method, path, code).inc()
+            self.metrics.http_duration.labels(method, path, code).observe(seconds)
+            if self.log is not None:
+                key = None
+                for name, value in scope.get("headers", ()):
+                    if name == _KEY_HEADER:
+                        key = value.decode("latin-1")[:KEY_CHARS]
+                        break
+                self.log.emit((time.time(), method, path, status, outcome_of(status, replayed),
+                               scope.get(TENANT_KEY), key, seconds,
+                               error or scope.get(ERROR_KEY)))

@@ -146,6 +146,24 @@ def problem_doc(exc: errors.PgReserveError, **extra: Any) -> dict[str, Any]:
     return doc
 
 
+# The ASGI scope key where a problem response leaves its code for the request log.
+ERROR_SCOPE_KEY = "pgreserve.error"
+
+
+class ProblemResponse(Response):
+    """A problem document that also names its code on the request's scope (for the log)."""
+
+    def __init__(self, content: bytes, status_code: int, headers: dict[str, str],
+                 code: str) -> None:
+        super().__init__(content, status_code=status_code, headers=headers,
+                         media_type=PROBLEM_MEDIA_TYPE)
+        self.code = code
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        scope[ERROR_SCOPE_KEY] = self.code
+        await super().__call__(scope, receive, send)
+
+
 def problem_response(exc: errors.PgReserveError, headers: dict[str, str] | None = None,
                      **extra: Any) -> Response:
     doc = problem_doc(exc, **extra)
@@ -154,8 +172,7 @@ def problem_response(exc: errors.PgReserveError, headers: dict[str, str] | None 
         hdrs.setdefault("WWW-Authenticate", "Bearer")
     if exc.retryable:
         hdrs.setdefault("Retry-After", str(exc.details.get("retry_after_s", 1)))
-    return Response(render(doc), status_code=doc["status"], headers=hdrs,
-                    media_type=PROBLEM_MEDIA_TYPE)
+    return ProblemResponse(render(doc), doc["status"], hdrs, str(doc["code"]))
 
 
 def unknown_stock_refs(exc: errors.PgReserveError) -> list[dict[str, str]] | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,9 +19,40 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
     multiprocess,
 )
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+# psycopg_pool's get_stats() keys that are levels now: (stat, metric suffix, help).
+POOL_GAUGES = (
+    ("pool_size", "connections", "Connections the pool has open or is opening"),
+    ("pool_available", "idle_connections", "Connections idle in the pool"),
+    ("pool_min", "min_connections", "The pool's configured minimum size"),
+    ("pool_max", "max_connections", "The pool's configured maximum size"),
+    ("requests_waiting", "waiting_requests", "Requests waiting for a connection now"),
+)
+# Running totals since the pool opened: (stat, metric name, help, scale to base units).
+POOL_COUNTERS = (
+    ("requests_num", "requests", "Connection requests", 1.0),
+    ("requests_queued", "queued_requests", "Connection requests that had to wait", 1.0),
+    ("requests_wait_ms", "request_wait_seconds", "Time spent waiting for a connection", 1e-3),
+    ("requests_errors", "request_errors", "Connection requests that failed (timeout, ...)",
+     1.0),
+    ("usage_ms", "usage_seconds", "Time connections were lent out", 1e-3),
+    ("returns_bad", "bad_returns", "Connections returned in a bad state", 1.0),
+    ("connections_num", "connects", "Connection attempts to the server", 1.0),
+    ("connections_ms", "connect_seconds", "Time spent connecting to the server", 1e-3),
+    ("connections_errors", "connect_errors", "Failed connection attempts", 1.0),
+    ("connections_lost", "connections_lost", "Connections found broken", 1.0),
+)
+
+# No `_created` series beside every counter and histogram: nothing here reads
+# them, and they double the families a scrape carries.
+disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client leaves it unannotated
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -31,6 +62,22 @@ _RESERVE_EVENTS = {"deadlock_retried", "busy", "unknown_outcome_resolved", "unkn
 
 def multiprocess_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+class DatabaseRefills:
+    """Pool refills by mode, database-wide: a running total PostgreSQL keeps
+    (pg_stat_user_functions), exposed as the counter it is, as last read."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def collect(self) -> Iterable[Metric]:
+        family = CounterMetricFamily(
+            "pgreserve_db_pool_refills", "Pool refills by mode, database-wide since the "
+            "statistics reset (pg_stat_user_functions; needs track_functions)", labels=["mode"])
+        for mode, n in self.counts.items():
+            family.add_metric([mode], n)
+        yield family
 
 
 class OpsMetrics:
@@ -57,9 +104,10 @@ class OpsMetrics:
                                "replenisher of this process", ["mode"], registry=r)
         self.refill_units = Counter("pgreserve_pool_refill_units", "Units added to pools by "
                                     "the background replenisher", registry=r)
-        self.db_refills = Gauge("pgreserve_db_pool_refills", "Pool refills by mode, "
-                                "database-wide since the statistics reset "
-                                "(pg_stat_user_functions; needs track_functions)", ["mode"], **g)
+        self.recent_errors: deque[dict[str, str]] = deque(maxlen=50)
+        self.extra_collectors: list[Collector] = []
+        self.db_refills = DatabaseRefills()
+        self.register(self.db_refills)
         self.latency = Histogram("pgreserve_operation_seconds", "Latency per operation",
                                  ["operation"], buckets=LATENCY_BUCKETS, registry=r)
         self.pool_units = Gauge("pgreserve_pool_units", "Pool rows of the hot buckets",
@@ -80,23 +128,30 @@ class OpsMetrics:
         self.idle_in_xact_max = Gauge("pgreserve_idle_in_transaction_max_seconds", "Longest "
                                       "idle in transaction, by application_name",
                                       ["application_name"], **g)
-        self.pool_stat = Gauge("pgreserve_client_pool", "psycopg_pool statistics (pool_size, "
-                               "requests_waiting, requests_wait_ms, usage_ms, connections_lost, "
-                               "...) per pool", ["pool", "stat"], **g)
+        # psycopg_pool's figures, one metric per quantity (connections, requests,
+        # seconds): its running totals become counters, increased by what they grew.
+        live: dict[str, Any] = {"registry": r, "multiprocess_mode": "livesum"}
+        self.pool_gauges = {
+            stat: Gauge(f"pgreserve_client_pool_{name}", text, ["pool"], **live)
+            for stat, name, text in POOL_GAUGES}
+        self.pool_counters = {
+            stat: (Counter(f"pgreserve_client_pool_{name}", text, ["pool"], registry=r), scale)
+            for stat, name, text, scale in POOL_COUNTERS}
+        self._pool_seen: dict[tuple[str, str], float] = {}
         self.dead_tuples = Gauge("pgreserve_partition_dead_tuples", "Dead tuples per pool "
                                  "partition", ["partition"], **g)
         self.live_tuples = Gauge("pgreserve_partition_live_tuples", "Live tuples per pool "
                                  "partition", ["partition"], **g)
-        self.dead_pct = Gauge("pgreserve_partition_dead_percent", "% dead tuples per pool "
-                              "partition", ["partition"], **g)
+        self.dead_ratio = Gauge("pgreserve_partition_dead_tuple_ratio", "Dead tuples over "
+                                "live plus dead tuples per pool partition (0 to 1)",
+                                ["partition"], **g)
         self.bloat_warning = Gauge("pgreserve_partition_bloat_warning", "1 when % dead stayed "
                                    "above the threshold for the whole window", ["partition"], **g)
-        self.last_autovacuum = Gauge("pgreserve_partition_last_autovacuum_timestamp",
+        self.last_autovacuum = Gauge("pgreserve_partition_last_autovacuum_timestamp_seconds",
                                      "Unix time of the last autovacuum per pool partition",
                                      ["partition"], **g)
         self.xid_age = Gauge("pgreserve_database_xid_age", "age(datfrozenxid) of the database",
                              **g)
-        self.recent_errors: deque[dict[str, str]] = deque(maxlen=50)
         self._seen_idle: set[str] = set()
 
     # -- hooks -------------------------------------------------------------------
@@ -165,20 +220,35 @@ class OpsMetrics:
         for p in report.partitions:
             self.dead_tuples.labels(p.name).set(p.dead)
             self.live_tuples.labels(p.name).set(p.live)
-            self.dead_pct.labels(p.name).set(p.dead_pct)
+            self.dead_ratio.labels(p.name).set(p.dead_pct / 100)
             self.bloat_warning.labels(p.name).set(1 if p.state == "warning" else 0)
             if p.last_autovacuum is not None:
                 self.last_autovacuum.labels(p.name).set(p.last_autovacuum.timestamp())
         self.xid_age.set(report.xid_age)
 
     def pool_stats(self, stats: Mapping[str, Mapping[str, int]]) -> None:
+        """psycopg_pool's get_stats() of each pool: levels set, running totals added to."""
         for pool, values in stats.items():
-            for stat, value in values.items():
-                self.pool_stat.labels(pool, stat).set(value)
+            for stat, gauge in self.pool_gauges.items():
+                if stat in values:
+                    gauge.labels(pool).set(values[stat])
+            for stat, (counter, scale) in self.pool_counters.items():
+                if stat not in values:
+                    continue
+                total = values[stat] * scale
+                grown = total - self._pool_seen.get((pool, stat), 0.0)
+                self._pool_seen[(pool, stat)] = total
+                if grown > 0:
+                    counter.labels(pool).inc(grown)
+
+    def register(self, collector: Collector) -> None:
+        """Add a collector (PgBouncer's figures, say) to what /metrics exposes."""
+        self.registry.register(collector)
+        self.extra_collectors.append(collector)
 
     def figures(self, fig: Any) -> None:
-        self.db_refills.labels("inline").set(fig.refills_inline)
-        self.db_refills.labels("background").set(fig.refills_background)
+        self.db_refills.counts = {"inline": fig.refills_inline,
+                                  "background": fig.refills_background}
         self.pool_units.clear()
         self.held_units.clear()
         for b in fig.hot_buckets:
@@ -193,5 +263,7 @@ class OpsMetrics:
         if path:
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry, path=path)
+            for collector in self.extra_collectors:
+                registry.register(collector)
             return generate_latest(registry)
         return generate_latest(self.registry)

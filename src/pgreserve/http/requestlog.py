@@ -1,0 +1,153 @@
+"""One log line per request, written off the event loop.
+
+The request path only appends a tuple to a queue; a daemon thread formats the
+line (text or JSON) and writes it. What a line holds is chosen here, not by
+the caller: the route template (never the raw path or the query), the tenant
+id, the Idempotency-Key, the outcome, the status, the duration and the error
+class. Never the Authorization header, an API key or a body.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from typing import IO, Any
+
+FORMATS = ("text", "json")
+
+# (unix time, method, route, status, outcome, tenant id, request key, seconds, error class)
+Entry = tuple[float, str, str, int, str, int | None, str | None, float, str | None]
+
+# Idempotency-Keys are at most 200 characters (longer ones are refused); a
+# refused one is logged cut to this length.
+KEY_CHARS = 200
+
+
+def _iso(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
+
+
+def format_text(e: Entry) -> str:
+    t, method, route, status, outcome, tenant, key, seconds, error = e
+    # The key is the client's string: quoted as JSON, so it cannot forge a field or a line.
+    return (f"{_iso(t)} request method={method} route={route} status={status}"
+            f" outcome={outcome} tenant_id={'-' if tenant is None else tenant}"
+            f" request_key={'-' if key is None else json.dumps(key)}"
+            f" duration_seconds={seconds:.6f} error_class={error or '-'}")
+
+
+def format_json(e: Entry) -> str:
+    t, method, route, status, outcome, tenant, key, seconds, error = e
+    return json.dumps({"ts": _iso(t), "event": "request", "method": method, "route": route,
+                       "status": status, "outcome": outcome, "tenant_id": tenant,
+                       "request_key": key, "duration_seconds": round(seconds, 6),
+                       "error_class": error}, separators=(",", ":"))
+
+
+def outcome_of(status: int, replayed: bool) -> str:
+    """The request's outcome class: ok, replayed (a stored answer), refused (4xx), failed."""
+    if replayed:
+        return "replayed"
+    if status < 400:
+        return "ok"
+    return "refused" if status < 500 else "failed"
+
+
+class RequestLog:
+    """A queue of entries and the thread that writes them to `stream` (stderr by default)."""
+
+    def __init__(self, fmt: str = "text", stream: IO[str] | None = None,
+                 max_pending: int = 100_000) -> None:
+        if fmt not in FORMATS:
+            raise ValueError(f"log format must be one of {FORMATS}, not {fmt!r}")
+        self.format = format_json if fmt == "json" else format_text
+        self.stream = stream
+        # Bounded: when the writer cannot keep up, lines are dropped (and counted)
+        # rather than requests slowed or memory grown.
+        self.queue: queue.Queue[Entry | threading.Event | None] = queue.Queue(max_pending)
+        self.dropped = 0
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def emit(self, entry: Entry) -> None:
+        if self._thread is None:
+            self._start()
+        try:
+            self.queue.put_nowait(entry)
+        except queue.Full:
+            self.dropped += 1
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._write, name="pgreserve-request-log",
+                                                daemon=True)
+                self._thread.start()
+
+    def _write(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            stream = self.stream or sys.stderr
+            try:
+                stream.write(self.format(item) + "\n")
+                stream.flush()
+            except Exception:
+                logging.getLogger(__name__).debug("request log line lost", exc_info=True)
+
+    def flush(self, timeout: float = 10.0) -> None:
+        """Return once every line emitted so far is written."""
+        if self._thread is None:
+            return
+        done = threading.Event()
+        self.queue.put(done)
+        done.wait(timeout)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self.flush()
+            self.queue.put(None)
+            self._thread.join(10)
+            self._thread = None
+
+
+def from_env() -> RequestLog | None:
+    """PGRESERVE_REQUEST_LOG (on unless 0/off/false) and PGRESERVE_LOG_FORMAT (text|json),
+    as `serve --workers N` hands them to its worker processes (their logging too)."""
+    fmt = os.environ.get("PGRESERVE_LOG_FORMAT", "text") or "text"
+    configure_logging(fmt)
+    if os.environ.get("PGRESERVE_REQUEST_LOG", "1").lower() in ("0", "off", "false", "no"):
+        return None
+    return RequestLog(fmt)
+
+
+class JsonFormatter(logging.Formatter):
+    """The service's other log lines as JSON objects (with --log-format json)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {"ts": _iso(record.created), "level": record.levelname.lower(),
+                               "logger": record.name, "message": record.getMessage()}
+        if record.exc_info:
+            doc["exception"] = self.formatException(record.exc_info)
+        return json.dumps(doc, separators=(",", ":"))
+
+
+def configure_logging(fmt: str) -> None:
+    """Give the root logger a stderr handler (warnings and up) when it has none, and
+    put its handlers on JSON lines when `fmt` is json."""
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(level=logging.WARNING,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if fmt == "json":
+        for handler in root.handlers:
+            handler.setFormatter(JsonFormatter())
