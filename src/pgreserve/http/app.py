@@ -20,7 +20,7 @@ from fastapi import Depends, FastAPI
 
 from ..core.service import Clock, ReservationService
 from ..db.database import Database
-from ..ops import web
+from ..ops import controls, web
 from .dependencies import ApiKeyCache, InFlight, known_query_only
 from .exception_handlers import EXCEPTION_HANDLERS
 from .metrics import ApiMetrics
@@ -29,8 +29,9 @@ from .openapi import openapi_schema
 from .responses import REPLAYED_HEADER
 from .routes import ROUTERS
 
-# An accepted API key is trusted this long before the database is asked again.
-DEFAULT_API_KEY_CACHE_S = 2.0
+# An accepted API key is trusted this long before the database is asked again:
+# 0, every request asks, so a revoked key is refused from the next request on.
+DEFAULT_API_KEY_CACHE_S = 0.0
 
 __all__ = ["DEFAULT_BODY_LIMIT", "REPLAYED_HEADER", "app_from_env", "create_app"]
 
@@ -79,7 +80,8 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
                clock: Clock | None = None, application_name: str = "pgreserve:api",
                pool_min_size: int = 1, monitor: bool = False,
                prepare_threshold: int | None = 5,
-               api_key_cache_s: float = DEFAULT_API_KEY_CACHE_S) -> FastAPI:
+               api_key_cache_s: float = DEFAULT_API_KEY_CACHE_S,
+               allow_private_webhooks: bool | None = None) -> FastAPI:
     """The API over one database: pass a DSN (the app owns its pool) or an open Database.
 
     `clock` replaces the database clock (tests move time by hand). `monitor`
@@ -87,7 +89,9 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     figures go to /metrics and /ops). `prepare_threshold=None` behind PgBouncer
     older than 1.21. `api_key_cache_s`: how long an accepted API key is
     trusted without asking the database again (a revoked key is refused within
-    that time; 0: ask every request).
+    that time; 0, the default: ask on every request, so a revoked key is refused
+    at once). `allow_private_webhooks`: accept webhook URLs on loopback and
+    private addresses (default: PGRESERVE_WEBHOOK_ALLOW_PRIVATE).
     """
     if database is None and dsn is None:
         raise ValueError("create_app needs a dsn or a database")
@@ -95,6 +99,8 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     options: dict[str, Any] = {"observer": metrics}
     if clock is not None:
         options["clock"] = clock
+    if allow_private_webhooks is not None:
+        options["allow_private_webhooks"] = allow_private_webhooks
     if database is not None and database.observer is None:
         database.observer = metrics.db_event
 
@@ -108,6 +114,7 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     )
     for router in ROUTERS:
         app.include_router(router)
+    app.include_router(controls.router)  # operator controls, beside /ops
     app.openapi = functools.partial(openapi_schema, app)  # type: ignore[method-assign]  # FastAPI's documented way to override the schema
     state = app.state
     state.metrics = metrics

@@ -94,6 +94,9 @@ class OpsMetrics:
         self.last_autovacuum = Gauge("pgreserve_partition_last_autovacuum_timestamp",
                                      "Unix time of the last autovacuum per pool partition",
                                      ["partition"], **g)
+        self.freezes = Gauge("pgreserve_freezes", "Live freezes of new reservations by "
+                             "tenant and scope (bucket: frozen buckets, tenant: 1 when the "
+                             "whole tenant is frozen)", ["tenant", "scope"], **g)
         self.xid_age = Gauge("pgreserve_database_xid_age", "age(datfrozenxid) of the database",
                              **g)
         self.recent_errors: deque[dict[str, str]] = deque(maxlen=50)
@@ -186,6 +189,12 @@ class OpsMetrics:
             self.held_units.labels(b.tenant, b.sku, b.location).set(b.held)
         for state in ("active", "overdue", "claimed", "released", "expired"):
             self.holds.labels(state).set(fig.holds.get(state, 0))
+        counts: dict[tuple[str, str], int] = {}
+        for f in fig.frozen:
+            counts[(f["tenant"], f["scope"])] = counts.get((f["tenant"], f["scope"]), 0) + 1
+        self.freezes.clear()
+        for (tenant, scope), n in counts.items():
+            self.freezes.labels(tenant, scope).set(n)
 
     def render(self) -> bytes:
         """The Prometheus text: this registry, or every process's files in multiprocess mode."""
