@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import os
+import re
 import socket
 from urllib.parse import urlsplit
 
@@ -74,11 +75,23 @@ def host_of(url: str) -> str:
 
 
 def literal(host: str) -> IPAddress | None:
-    """The address when `host` is an IP literal, else None (a name)."""
+    """The address when `host` is an IP literal, else None (a name).
+
+    Legacy numeric IPv4 forms (2130706433, 0x7f.1, 127.1) count as the address
+    the system's inet_aton makes of them."""
     try:
         return ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:
-        return None
+        pass
+    if _NUMERIC.fullmatch(host):
+        try:
+            return ipaddress.IPv4Address(socket.inet_aton(host))
+        except OSError:
+            return None
+    return None
+
+
+_NUMERIC = re.compile(r"[0-9A-Fa-fXx.]+")
 
 
 def check_addresses(host: str, addresses: list[str]) -> None:

@@ -17,11 +17,12 @@ from .reservations import reserve_response
 router = APIRouter(tags=["requests"])
 
 
-@router.get("/v1/requests/{key}", response_model=RequestOut,
+@router.get("/v1/requests/{key:path}", response_model=RequestOut,
             responses=problems.responses(404, *COMMON),
             summary="The stored answer under an Idempotency-Key, and the reservation it "
                     "names as it is now")
 async def get_request(key: PathName, tenant: Tenant, svc: Service) -> Response:
+    # {key:path}: a key may hold "/" (sent as %2F, which the router sees decoded)
     record = await svc.lookup_request(tenant, stored_name(key, "key"))
     return json_response(200, request_doc(record))
 
