@@ -300,7 +300,7 @@ class ReservationService:
             raise
         outcome = ReserveOutcome.from_json(doc)
         self._observe("reserve", "idempotent_replay" if outcome.replayed
-                      else "held" if outcome.held else "sold_out", started)
+                      else _reserve_label(outcome), started)
         return outcome
 
     async def claim(self, tenant: int, reservation_id: str | uuid.UUID, *,
@@ -637,7 +637,7 @@ class ReservationService:
         if outcome.reservation is not None:
             self._remember_bucket(tenant, uuid.UUID(outcome.reservation.id), bucket)
         self._observe("reserve", "idempotent_replay" if outcome.replayed
-                      else "held" if outcome.held else "sold_out", started)
+                      else _reserve_label(outcome), started)
         return outcome
 
     async def _transition_batched(self, action: str, tenant: int,
@@ -731,6 +731,11 @@ def _batch_answer(answer: dict[str, Any]) -> dict[str, Any] | None:
     if "error" in answer:
         raise typed_error(str(answer["error"]), answer.get("message"), answer.get("detail"))
     return None
+
+
+def _reserve_label(outcome: ReserveOutcome) -> str:
+    """The outcome label of an answered reserve: held, sold_out or frozen."""
+    return "held" if outcome.held else "frozen" if outcome.frozen else "sold_out"
 
 
 def _failure(exc: BaseException) -> str:

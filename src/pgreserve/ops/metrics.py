@@ -40,7 +40,7 @@ class OpsMetrics:
         r = self.registry = registry or CollectorRegistry()
         g: dict[str, Any] = {"registry": r, "multiprocess_mode": "mostrecent"}
         self.reservations = Counter(
-            "pgreserve_reservations", "Reserve calls by outcome: held, sold_out, "
+            "pgreserve_reservations", "Reserve calls by outcome: held, sold_out, frozen, "
             "idempotent_replay, idempotency_key_reused, busy, deadlock_retried, "
             "unknown_outcome_resolved, ...", ["outcome"], registry=r)
         self.operations = Counter(
@@ -125,7 +125,7 @@ class OpsMetrics:
                 self.claims.inc()
             elif outcome == "ok" and action == "release":
                 self.releases.inc()
-        if outcome not in ("ok", "held", "sold_out", "idempotent_replay"):
+        if outcome not in ("ok", "held", "sold_out", "frozen", "idempotent_replay"):
             self.error(f"{action}: {outcome}")
 
     def db_event(self, action: str, event: str) -> None:
