@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import APIRouter
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.responses import Response
 
 from ...domain import RequestRecord, Reservation, ReserveOutcome, StockView
@@ -17,12 +19,27 @@ from .reservations import reserve_response
 router = APIRouter(tags=["requests"])
 
 
-@router.get("/v1/requests/{key:path}", response_model=RequestOut,
+class RequestKeyConvertor(Convertor[str]):
+    """The rest of the path, "/" and line breaks included (a key may hold both, sent
+    percent-encoded, and the router sees the path decoded); never NUL."""
+
+    regex = "[^\x00]+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("request_key", RequestKeyConvertor())
+
+
+@router.get("/v1/requests/{key:request_key}", response_model=RequestOut,
             responses=problems.responses(404, *COMMON),
             summary="The stored answer under an Idempotency-Key, and the reservation it "
                     "names as it is now")
 async def get_request(key: PathName, tenant: Tenant, svc: Service) -> Response:
-    # {key:path}: a key may hold "/" (sent as %2F, which the router sees decoded)
     record = await svc.lookup_request(tenant, stored_name(key, "key"))
     return json_response(200, request_doc(record))
 
@@ -45,8 +62,7 @@ def request_doc(record: RequestRecord) -> dict[str, Any]:
 
 
 def _answer(operation: str, stored: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    import json
-
+    """The status and body first sent for this stored outcome (rendered the same way)."""
     if operation == "reserve":
         response = reserve_response(ReserveOutcome.from_json(stored))
         return response.status_code, json.loads(bytes(response.body))
