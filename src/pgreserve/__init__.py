@@ -1,7 +1,7 @@
 """pgreserve: inventory reservations inside PostgreSQL."""
 
 from .core.service import ReservationService
-from .db.database import Database, TxSettings
+from .db.database import Database, TxSettings, deadline
 from .domain import (
     ApiKeyInfo,
     Freeze,
@@ -32,4 +32,5 @@ __all__ = [
     "Strategy",
     "Tenant",
     "TxSettings",
+    "deadline",
 ]
