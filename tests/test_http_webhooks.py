@@ -29,7 +29,7 @@ async def test_register_list_delete(api: ApiTenant) -> None:
 
 async def test_other_tenants_webhooks_are_invisible(api: ApiTenant, other: ApiTenant) -> None:
     """Another tenant neither sees nor deletes an endpoint: it is answered as unknown (404)."""
-    wid = (await api.client.post("/v1/webhooks", json={"url": "http://127.0.0.1:9/x"})).json()["id"]
+    wid = (await api.client.post("/v1/webhooks", json={"url": "https://hooks.example/x"})).json()["id"]
     assert (await other.client.get("/v1/webhooks")).json() == {"webhooks": []}
     assert_problem(await other.client.delete(f"/v1/webhooks/{wid}"), 404, "webhook_not_found")
     assert_problem(await other.client.delete("/v1/webhooks/99999999999999999999"), 404,

@@ -26,7 +26,7 @@ from pgreserve.http.requestlog import RequestLog, format_text
 from pgreserve.http.server import Listeners
 from test_cli_up import BIN, free_port
 
-OPS_PATHS = ("/metrics", "/ops", "/ops.json", "/ops/series.json", "/ops/tables")
+OPS_PATHS = ("/metrics", "/ops", "/ops.json", "/ops/series.json", "/ops/tables", "/ops/freezes")
 
 
 class OpsServed:

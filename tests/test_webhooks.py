@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import psycopg
+import pytest_asyncio
 from aiohttp import web
 
 from pgreserve import Database, ReservationService, Tenant
@@ -23,8 +24,16 @@ from pgreserve.workers.webhooks import (
     verify,
 )
 
+# The receivers listen on 127.0.0.1: these tests allow private addresses
+# explicitly (test_webhook_targets.py proves they are refused otherwise).
 FAST = WebhookConfig(timeout_s=2.0, lease_s=5.0, backoff_base_s=0.02, backoff_cap_s=0.1,
-                     idle_poll_s=0.02, loop=LoopConfig(interval_s=0.02))
+                     idle_poll_s=0.02, loop=LoopConfig(interval_s=0.02), allow_private=True)
+
+
+@pytest_asyncio.fixture
+async def service(db: Database) -> ReservationService:
+    """The service, registering webhooks on loopback (allowed explicitly)."""
+    return ReservationService(db, allow_private_webhooks=True)
 
 
 @dataclass
@@ -223,7 +232,7 @@ async def test_two_workers_deliver_each_event_exactly_once(dsn: str,
     tenants = [await service.create_tenant(f"t{i}") for i in range(3)]
     config = WebhookConfig(timeout_s=2.0, lease_s=5.0, backoff_base_s=0.02,
                            backoff_cap_s=0.1, idle_poll_s=0.01, events_per_claim=3,
-                           loop=LoopConfig(interval_s=0.01))
+                           loop=LoopConfig(interval_s=0.01), allow_private=True)
     async with receiver() as rec, Database(dsn, max_size=4) as db1, \
             Database(dsn, max_size=4) as db2:
         for t in tenants:

@@ -13,6 +13,16 @@ def new_key() -> str:
     return PREFIX + secrets.token_urlsafe(32)
 
 
+# `tenant key list` shows this many first characters of a key (its prefix and
+# 8 random characters, 48 bits: enough to tell a tenant's keys apart, useless
+# for guessing the rest).
+SHOWN = len(PREFIX) + 8
+
+
+def shown_prefix(key: str) -> str:
+    return key[:SHOWN]
+
+
 def hash_key(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
 

@@ -203,33 +203,23 @@ def tenant_create(name: str, as_json: bool, database_url: str | None,
         click.echo(f"API key (shown only now): {key}")
 
 
-@tenant.command("key")
-@click.argument("name")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-@with_db
-def tenant_key(name: str, as_json: bool, database_url: str | None, data_dir: str | None) -> None:
-    """Issue another API key for an existing tenant."""
+class _KeyGroup(click.Group):
+    """`tenant key NAME` (no subcommand), as before: `tenant key create NAME`."""
 
-    async def go(dsn: str) -> str:
-        async with Database(dsn, min_size=1, max_size=1) as database:
-            svc = ReservationService(database)
-            found = await svc.tenant_by_name(name)
-            if found is None:
-                raise click.ClickException(f"no tenant named {name!r}")
-            return await svc.create_api_key(found.id)
-
-    with _dsn(database_url, data_dir) as dsn:
-        migrations.migrate(dsn)
-        key = asyncio.run(go(dsn))
-    click.echo(json.dumps({"tenant": name, "api_key": key}) if as_json else key)
+    def resolve_command(self, ctx: click.Context,
+                        args: list[str]) -> tuple[str | None, click.Command | None, list[str]]:
+        if args and args[0] not in self.commands and not args[0].startswith("-"):
+            return "create", self.commands["create"], args
+        return super().resolve_command(ctx, args)
 
 
-@main.group()
-def webhook() -> None:
-    """Webhook endpoints that receive a tenant's events."""
+@tenant.group("key", cls=_KeyGroup)
+def tenant_key() -> None:
+    """A tenant's API keys: create, list (prefix only), revoke."""
 
 
-def _tenant_service_call(dsn: str, name: str, op: Any) -> Any:
+def _tenant_call(dsn: str, name: str, op: Any) -> Any:
+    """Run `op(service, tenant_id)` for the tenant called `name`; typed errors as messages."""
     async def go() -> Any:
         async with Database(dsn, min_size=1, max_size=1) as database:
             svc = ReservationService(database)
@@ -242,6 +232,62 @@ def _tenant_service_call(dsn: str, name: str, op: Any) -> Any:
                 raise click.ClickException(exc.message) from None
 
     return asyncio.run(go())
+
+
+@tenant_key.command("create")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@with_db
+def tenant_key_create(name: str, as_json: bool, database_url: str | None,
+                      data_dir: str | None) -> None:
+    """Issue another API key for tenant NAME (shown once; its prefix is listed later)."""
+    with _dsn(database_url, data_dir) as dsn:
+        migrations.migrate(dsn)
+        key = _tenant_call(dsn, name, lambda s, t: s.create_api_key(t))
+    click.echo(json.dumps({"tenant": name, "api_key": key}) if as_json else key)
+
+
+@tenant_key.command("list")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@with_db
+def tenant_key_list(name: str, as_json: bool, database_url: str | None,
+                    data_dir: str | None) -> None:
+    """Tenant NAME's API keys, newest first: prefix, created and revoked times (never a key)."""
+    with _dsn(database_url, data_dir) as dsn:
+        migrations.migrate(dsn)
+        keys = _tenant_call(dsn, name, lambda s, t: s.api_keys(t))
+    rows = [{"prefix": k.prefix, "created_at": k.created_at.isoformat(),
+             "revoked_at": None if k.revoked_at is None else k.revoked_at.isoformat()}
+            for k in keys]
+    if as_json:
+        click.echo(json.dumps(rows))
+        return
+    for r in rows:
+        state = f"revoked {r['revoked_at']}" if r["revoked_at"] else "active"
+        click.echo(f"{r['prefix']:<20} created {r['created_at']}  {state}")
+
+
+@tenant_key.command("revoke")
+@click.argument("name")
+@click.argument("prefix")
+@with_db
+def tenant_key_revoke(name: str, prefix: str, database_url: str | None,
+                      data_dir: str | None) -> None:
+    """Revoke tenant NAME's key shown as PREFIX by `tenant key list`; the API refuses it
+    (401) from its next request on."""
+    with _dsn(database_url, data_dir) as dsn:
+        migrations.migrate(dsn)
+        done = _tenant_call(dsn, name, lambda s, t: s.revoke_api_key(t, prefix))
+    click.echo(f"revoked {done}")
+
+
+@main.group()
+def webhook() -> None:
+    """Webhook endpoints that receive a tenant's events."""
+
+
+_tenant_service_call = _tenant_call
 
 
 @webhook.command("add")
@@ -495,13 +541,20 @@ def doctor(database_url: str | None, data_dir: str | None, as_json: bool, pool_s
 @click.option("--repair", is_flag=True,
               help="Repair the drifts that have a safe repair (overdue holds are expired "
                    "through the sweeper's own function); each repair is logged.")
+@click.option("--freeze", "freeze_drifted", is_flag=True,
+              help="Freeze every bucket with a drift (no new holds until `pgreserve "
+                   "unfreeze bucket`); prints what it froze.")
 def reconcile(database_url: str | None, data_dir: str | None, as_json: bool,
-              tenant_id: int | None, grace_seconds: float, repair: bool) -> None:
+              tenant_id: int | None, grace_seconds: float, repair: bool,
+              freeze_drifted: bool) -> None:
     """Prove the stock accounting per bucket; exit code 1 on any drift."""
     from .ops.reconcile import reconcile as run
 
     with _dsn(database_url, data_dir) as dsn:
-        result = run(dsn, tenant=tenant_id, grace_s=grace_seconds, repair=repair)
+        if freeze_drifted:
+            migrations.migrate(dsn)  # the freeze table and its functions
+        result = run(dsn, tenant=tenant_id, grace_s=grace_seconds, repair=repair,
+                     freeze=freeze_drifted)
     if as_json:
         click.echo(json.dumps(result.as_json(), indent=2, default=str))
     else:
@@ -517,10 +570,142 @@ def reconcile(database_url: str | None, data_dir: str | None, as_json: bool,
             where = f" {d.bucket}" if d.bucket else ""
             click.echo(f"DRIFT {d.kind} tenant {d.tenant_id}{where}: {d.detail}"
                        + ("  (--repair can fix this)" if d.repairable else ""))
+        for f in result.frozen:
+            already = " (already frozen)" if f.get("already") else ""
+            click.echo(f"FROZE tenant {f['tenant_id']} {f['sku']}@{f['location']}{already}")
         if not result.drifts:
             click.echo("no drift")
     if result.drifts:
         sys.exit(1)
+
+
+def _operator() -> str:
+    import getpass
+    import socket
+
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"[:200]
+
+
+freeze_options = [
+    click.option("--reason", required=True, help="Why (kept with the freeze)."),
+    click.option("--by", "by", default=None, help="Who (default: user@host)."),
+    click.option("--json", "as_json", is_flag=True, help="Print JSON."),
+]
+
+
+def with_freeze(f: Any) -> Any:
+    for option in reversed(freeze_options):
+        f = option(f)
+    return with_db(f)
+
+
+def _print_freeze(doc: dict[str, Any], verb: str, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(doc))
+        return
+    what = (f"tenant {doc['tenant']!r}" if doc["scope"] == "tenant"
+            else f"{doc['sku']}@{doc['location']} of tenant {doc['tenant']!r}")
+    click.echo(f"{verb} {what}")
+
+
+def _freeze_cmd(database_url: str | None, data_dir: str | None, tenant_name: str,
+                sku: str | None, location: str | None, reason: str, by: str | None,
+                as_json: bool, lift: bool) -> None:
+    who = by or _operator()
+    with _dsn(database_url, data_dir) as dsn:
+        migrations.migrate(dsn)
+        if lift:
+            done = _tenant_call(dsn, tenant_name, lambda s, t: s.unfreeze(
+                t, reason, who, sku=sku, location=location))
+        else:
+            done = _tenant_call(dsn, tenant_name, lambda s, t: s.freeze(
+                t, reason, who, sku=sku, location=location))
+    doc = {**done.as_json(), "already": done.already}
+    verb = "unfroze" if lift else ("already frozen:" if done.already else "froze")
+    _print_freeze(doc, verb, as_json)
+
+
+@main.group()
+def freeze() -> None:
+    """Stop new reservations of a bucket or tenant (claims, releases, expiry go on)."""
+
+
+@freeze.command("bucket")
+@click.argument("tenant_name", metavar="TENANT")
+@click.argument("sku")
+@click.argument("location")
+@with_freeze
+def freeze_bucket(tenant_name: str, sku: str, location: str, reason: str, by: str | None,
+                  as_json: bool, database_url: str | None, data_dir: str | None) -> None:
+    """Freeze SKU at LOCATION of TENANT: new reservations get 423 bucket_frozen."""
+    _freeze_cmd(database_url, data_dir, tenant_name, sku, location, reason, by, as_json, False)
+
+
+@freeze.command("tenant")
+@click.argument("tenant_name", metavar="TENANT")
+@with_freeze
+def freeze_tenant(tenant_name: str, reason: str, by: str | None, as_json: bool,
+                  database_url: str | None, data_dir: str | None) -> None:
+    """Freeze all of TENANT: new reservations get 423 tenant_frozen."""
+    _freeze_cmd(database_url, data_dir, tenant_name, None, None, reason, by, as_json, False)
+
+
+@freeze.command("list")
+@click.option("--tenant", "tenant_name", default=None, help="Only this tenant.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@with_db
+def freeze_list(tenant_name: str | None, as_json: bool, database_url: str | None,
+                data_dir: str | None) -> None:
+    """The live freezes: what, who froze it, when and why."""
+    with _dsn(database_url, data_dir) as dsn:
+        migrations.migrate(dsn)
+        if tenant_name is None:
+            async def go() -> Any:
+                async with Database(dsn, min_size=1, max_size=1) as database:
+                    return await ReservationService(database).freezes()
+
+            found = asyncio.run(go())
+        else:
+            found = _tenant_call(dsn, tenant_name, lambda s, t: s.freezes(t))
+    docs = [f.as_json() for f in found]
+    if as_json:
+        click.echo(json.dumps(docs))
+        return
+    if not docs:
+        click.echo("nothing is frozen")
+    for d in docs:
+        what = "(whole tenant)" if d["scope"] == "tenant" else f"{d['sku']}@{d['location']}"
+        click.echo(f"{d['tenant']:<20} {what:<30} since {d['frozen_at']} by {d['frozen_by']}: "
+                   f"{d['reason']}")
+
+
+@main.group()
+def unfreeze() -> None:
+    """Lift a freeze (the freeze stays on record with who lifted it, when and why)."""
+
+
+@unfreeze.command("bucket")
+@click.argument("tenant_name", metavar="TENANT")
+@click.argument("sku")
+@click.argument("location")
+@with_freeze
+def unfreeze_bucket(tenant_name: str, sku: str, location: str, reason: str, by: str | None,
+                    as_json: bool, database_url: str | None, data_dir: str | None) -> None:
+    """Let SKU at LOCATION of TENANT take new reservations again."""
+    _freeze_cmd(database_url, data_dir, tenant_name, sku, location, reason, by, as_json, True)
+
+
+@unfreeze.command("tenant")
+@click.argument("tenant_name", metavar="TENANT")
+@with_freeze
+def unfreeze_tenant(tenant_name: str, reason: str, by: str | None, as_json: bool,
+                    database_url: str | None, data_dir: str | None) -> None:
+    """Let TENANT take new reservations again (bucket freezes stay)."""
+    _freeze_cmd(database_url, data_dir, tenant_name, None, None, reason, by, as_json, True)
 
 
 @main.group()

@@ -75,12 +75,17 @@ class ShortLine:
 
 @dataclass(frozen=True)
 class ReserveOutcome:
-    """What a reserve request came to: held (with the reservation) or rejected."""
+    """What a reserve request came to: held (with the reservation) or rejected.
+
+    `reason` of a rejection: insufficient_stock (see short_lines), or
+    bucket_frozen / tenant_frozen (see frozen_lines; an operator froze them)."""
 
     held: bool
     reservation: Reservation | None = None
     short_lines: tuple[ShortLine, ...] = field(default=())
     replayed: bool = False
+    reason: str | None = None
+    frozen_lines: tuple[StockRef, ...] = field(default=())
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> ReserveOutcome:
@@ -89,9 +94,78 @@ class ReserveOutcome:
             return cls(True, Reservation.from_json(doc["reservation"], replayed), (), replayed)
         short = tuple(
             ShortLine(s["sku"], s["location"], int(s["requested"]), int(s["available"]))
-            for s in doc["short_lines"]
+            for s in doc.get("short_lines", ())
         )
-        return cls(False, None, short, replayed)
+        frozen = tuple(StockRef(f["sku"], f["location"]) for f in doc.get("frozen_lines", ()))
+        return cls(False, None, short, replayed, str(doc.get("reason", "insufficient_stock")),
+                   frozen)
+
+    @property
+    def frozen(self) -> bool:
+        """Refused because an operator froze the tenant or a bucket of the cart."""
+        return self.reason in ("bucket_frozen", "tenant_frozen")
+
+
+@dataclass(frozen=True)
+class StockRef:
+    sku: str
+    location: str
+
+
+@dataclass(frozen=True)
+class Freeze:
+    """An operator's stop on new holds of one bucket (scope "bucket") or a tenant."""
+
+    id: int
+    tenant_id: int
+    tenant: str
+    scope: str
+    sku: str | None
+    location: str | None
+    reason: str
+    frozen_by: str
+    frozen_at: datetime
+    lifted_by: str | None = None
+    lifted_at: datetime | None = None
+    lift_reason: str | None = None
+    already: bool = False
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Freeze:
+        return cls(int(doc["id"]), int(doc["tenant_id"]), str(doc["tenant"]), str(doc["scope"]),
+                   doc.get("sku"), doc.get("location"), str(doc["reason"]),
+                   str(doc["frozen_by"]), _ts(doc["frozen_at"]), doc.get("lifted_by"),
+                   _ts_opt(doc.get("lifted_at")), doc.get("lift_reason"),
+                   bool(doc.get("already", False)))
+
+    def as_json(self) -> dict[str, Any]:
+        return {"id": self.id, "tenant_id": self.tenant_id, "tenant": self.tenant,
+                "scope": self.scope, "sku": self.sku, "location": self.location,
+                "reason": self.reason, "frozen_by": self.frozen_by,
+                "frozen_at": self.frozen_at.isoformat(), "lifted_by": self.lifted_by,
+                "lifted_at": None if self.lifted_at is None else self.lifted_at.isoformat(),
+                "lift_reason": self.lift_reason}
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """The answer stored under a request key, and the reservation it names as it is now."""
+
+    key: str
+    operation: str  # reserve | claim | release | extend | adjust
+    status: str  # succeeded | rejected (the ledger's)
+    outcome: dict[str, Any]  # the stored answer, as first returned
+    recorded_at: datetime
+    reservation: Reservation | None = None
+
+
+@dataclass(frozen=True)
+class ApiKeyInfo:
+    """An API key as `tenant key list` shows it: never the key, only its first characters."""
+
+    prefix: str
+    created_at: datetime
+    revoked_at: datetime | None
 
 
 @dataclass(frozen=True)

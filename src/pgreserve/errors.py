@@ -57,6 +57,31 @@ class WebhookNotFound(PgReserveError):
     code = "webhook_not_found"
 
 
+class RequestNotFound(PgReserveError):
+    """No answer is stored under this request key for this tenant."""
+
+    code = "request_not_found"
+
+
+class ApiKeyNotFound(PgReserveError):
+    """No unrevoked API key of this tenant is shown with this prefix."""
+
+    code = "api_key_not_found"
+
+
+class FreezeNotFound(PgReserveError):
+    """The bucket or tenant to unfreeze has no live freeze."""
+
+    code = "freeze_not_found"
+
+
+class WebhookUrlRefused(InvalidRequest):
+    """A webhook URL whose host is (or resolves to) a loopback, private, link-local,
+    multicast, reserved or unspecified address; nothing was registered or sent."""
+
+    code = "webhook_url_refused"
+
+
 class ReservationReleased(PgReserveError):
     code = "reservation_released"
 

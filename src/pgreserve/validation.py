@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import math
 import re
 from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 from .domain import MAX_LINES, MAX_NAME, MAX_QUANTITY, MAX_TTL, MIN_TTL, Line, Strategy
 from .errors import InvalidRequest
@@ -136,8 +138,29 @@ _NOSPACE = (r"\x00-\x20\x7f-\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f"
             r"\u3000\ufeff")
 # http(s)://[userinfo@]host[:port][/path?query#fragment], no spaces or control characters.
 # The OpenAPI schema publishes the same pattern.
+# The host: a name or IPv4 address, or an IPv6 address in brackets (RFC 3986's
+# IPv6address, so the published pattern admits exactly the valid ones).
+_H16 = "[0-9A-Fa-f]{1,4}"
+_OCTET = "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+_LS32 = rf"({_H16}:{_H16}|{_OCTET}(\.{_OCTET}){{3}})"
+
+
+def _before(n: int) -> str:
+    """[ *n( h16 ":" ) h16 ]: up to n + 1 groups before a "::"."""
+    return "" if n < 0 else rf"({_H16}(:{_H16}){{0,{n}}})?"
+
+
+_IPV6 = "(" + "|".join([
+    rf"({_H16}:){{6}}{_LS32}",
+    rf"::({_H16}:){{5}}{_LS32}",
+    *(rf"{_before(k - 1)}::({_H16}:){{{4 - k}}}{_LS32}" for k in range(1, 5)),
+    rf"{_before(4)}::{_LS32}",
+    rf"{_before(5)}::{_H16}",
+    rf"{_before(6)}::",
+]) + ")"
 URL_PATTERN = (rf"^[Hh][Tt][Tt][Pp][Ss]?://([^{_NOSPACE}/?#@\[\]]+@)?"
-               rf"[^{_NOSPACE}/?#@:\[\]]+(:{_PORT})?([/?#][^{_NOSPACE}]*)?$")
+               rf"([^{_NOSPACE}/?#@:\[\]]+|\[{_IPV6}\])(:{_PORT})?"
+               rf"([/?#][^{_NOSPACE}]*)?$")
 _URL = re.compile(URL_PATTERN)
 
 
@@ -150,4 +173,10 @@ def webhook_url(value: Any) -> str:
     if not _URL.fullmatch(value):
         raise InvalidRequest("url must be an http:// or https:// URL with a host (and no "
                              "spaces)", field="url")
+    try:
+        host = urlsplit(value).hostname or ""
+        if ":" in host:
+            ipaddress.IPv6Address(host)
+    except ValueError:
+        raise InvalidRequest("url has a malformed IPv6 address", field="url") from None
     return value

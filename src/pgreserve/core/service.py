@@ -21,7 +21,7 @@ from typing import Any, LiteralString, Protocol, cast
 
 import psycopg
 
-from .. import apikeys
+from .. import apikeys, webhook_targets
 from .. import validation as check
 from ..db import literals as lit
 from ..db.database import Database, Op, typed_error
@@ -29,9 +29,12 @@ from ..db.queries import queries
 from ..domain import (
     DEFAULT_TTL,
     MAX_ON_HAND,
+    ApiKeyInfo,
     Event,
     EventPage,
+    Freeze,
     Line,
+    RequestRecord,
     Reservation,
     ReserveOutcome,
     StockView,
@@ -40,7 +43,15 @@ from ..domain import (
     Violation,
     Webhook,
 )
-from ..errors import InvalidRequest, ReservationNotFound, UnknownStock, WebhookNotFound
+from ..errors import (
+    ApiKeyNotFound,
+    FreezeNotFound,
+    InvalidRequest,
+    RequestNotFound,
+    ReservationNotFound,
+    UnknownStock,
+    WebhookNotFound,
+)
 from .batching import BatchConfig, BatchRequest, Combiner
 
 Clock = Callable[[], datetime | None]
@@ -53,6 +64,12 @@ WEBHOOK_SECRET_PREFIX = "whsec_"  # noqa: S105 - the public prefix of generated 
 OPS: dict[str, Op] = {op.action: op for op in (
     Op("admin", "tenant_create", "cli/tenant"),
     Op("admin", "api_key_create", "cli/tenant/key"),
+    Op("admin", "api_key_list", "cli/tenant/key"),
+    Op("admin", "api_key_revoke", "cli/tenant/key"),
+    Op("admin", "freeze_set", "ops/freeze"),
+    Op("admin", "freeze_lift", "ops/freeze"),
+    Op("api", "freeze_list", "ops/freeze"),
+    Op("api", "request_get", "GET /v1/requests/{key}"),
     Op("api", "authenticate", "auth/bearer"),
     Op("api", "tenant_lookup", "cli/tenant"),
     Op("stock", "stock_set", "PUT /v1/stock/{location}/{sku}"),
@@ -109,11 +126,18 @@ class ReservationService:
 
     def __init__(self, db: Database, *, clock: Clock = _db_clock,
                  observer: ServiceObserver | None = None, batching: bool = True,
-                 batch_config: BatchConfig | None = None) -> None:
+                 batch_config: BatchConfig | None = None,
+                 allow_private_webhooks: bool | None = None) -> None:
         """`batching`: one-line reserves, and claims and releases of one-line
         reservations, go through a per-bucket combiner (group commit, see
-        core/batching.py); off, every request is its own transaction."""
+        core/batching.py); off, every request is its own transaction.
+        `allow_private_webhooks`: accept webhook URLs on loopback, private and
+        other non-public addresses (default: PGRESERVE_WEBHOOK_ALLOW_PRIVATE,
+        see webhook_targets.py)."""
         self.db = db
+        self.allow_private_webhooks = (webhook_targets.allow_private_default()
+                                       if allow_private_webhooks is None
+                                       else bool(allow_private_webhooks))
         self.clock = clock
         self.observer = observer
         self.combiner = Combiner(db, batch_config, clock=clock) if batching else None
@@ -141,17 +165,39 @@ class ReservationService:
         name = check.name(name, "tenant name")
         key = apikeys.new_key()
         row = await self.db.call(queries["tenant_create_with_key"],
-                                 (name, apikeys.hash_key(key)), op=OPS["tenant_create"])
+                                 (name, apikeys.hash_key(key), apikeys.shown_prefix(key)),
+                                 op=OPS["tenant_create"])
         return Tenant(int(row), name), key
 
     async def create_api_key(self, tenant: int) -> str:
-        """Issue another API key for an existing tenant."""
+        """Issue another API key for an existing tenant (a tenant may have several)."""
         tenant = check.tenant_id(tenant)
         await self._require_tenant(tenant)
         key = apikeys.new_key()
-        await self.db.call(queries["api_key_create"],
-                           (tenant, apikeys.hash_key(key)), op=OPS["api_key_create"])
+        await self.db.call(queries["api_key_create_with_prefix"],
+                           (tenant, apikeys.hash_key(key), apikeys.shown_prefix(key)),
+                           op=OPS["api_key_create"])
         return key
+
+    async def api_keys(self, tenant: int) -> list[ApiKeyInfo]:
+        """A tenant's API keys, newest first: prefix, created and revoked times only."""
+        tenant = check.tenant_id(tenant)
+        await self._require_tenant(tenant)
+        rows = await self.db.fetch(queries["api_key_list"], (tenant,), op=OPS["api_key_list"])
+        return [ApiKeyInfo(str(r[0]), r[1], r[2]) for r in rows]
+
+    async def revoke_api_key(self, tenant: int, prefix: str) -> str:
+        """Revoke the tenant's unrevoked key shown with `prefix` (as `api_keys` lists it).
+
+        The API refuses it from its next request on (http/dependencies.py)."""
+        tenant = check.tenant_id(tenant)
+        prefix = check.name(prefix, "prefix")
+        revoked = await self.db.call(queries["api_key_revoke"], (tenant, prefix),
+                                     op=OPS["api_key_revoke"])
+        if revoked is None:
+            await self._require_tenant(tenant)
+            raise ApiKeyNotFound(f"no unrevoked API key shown as {prefix!r}")
+        return str(revoked)
 
     async def tenant_for_api_key(self, key: str) -> int | None:
         """The tenant an unrevoked API key belongs to, or None."""
@@ -254,7 +300,7 @@ class ReservationService:
             raise
         outcome = ReserveOutcome.from_json(doc)
         self._observe("reserve", "idempotent_replay" if outcome.replayed
-                      else "held" if outcome.held else "sold_out", started)
+                      else _reserve_label(outcome), started)
         return outcome
 
     async def claim(self, tenant: int, reservation_id: str | uuid.UUID, *,
@@ -338,6 +384,83 @@ class ReservationService:
             await self._require_tenant(tenant)
             raise ReservationNotFound(f"unknown reservation {rid}")
         return Reservation.from_json(rows[0][0])
+
+    async def lookup_request(self, tenant: int, request_key: str) -> RequestRecord:
+        """The answer stored under a request key (reserve, or keyed claim, release, extend
+        or adjustment) and, when it names a reservation, that reservation as it is now.
+
+        Raises RequestNotFound for a key this tenant never used (or that the janitor
+        has forgotten)."""
+        tenant = check.tenant_id(tenant)
+        key = check.request_key(request_key)
+        rows = await self.db.fetch(queries["request_view"], (self.clock(), tenant, key),
+                                   op=OPS["request_get"])
+        if not rows:
+            await self._require_tenant(tenant)
+            raise RequestNotFound(f"no request under key {key!r}")
+        operation, status, outcome, created_at, view = rows[0]
+        return RequestRecord(key, str(operation), str(status), outcome, created_at,
+                             None if view is None else Reservation.from_json(view))
+
+    # -- freezes -------------------------------------------------------------------
+
+    async def freeze(self, tenant: int, reason: str, by: str, *, sku: str | None = None,
+                     location: str | None = None) -> Freeze:
+        """Stop new holds of one bucket (sku and location) or of the whole tenant.
+
+        Claims, releases, extends, expiry, lookups and replays go on. Once this
+        returns, no hold of the frozen scope is created; a reserve gets a stored
+        rejection (reason bucket_frozen / tenant_frozen). Freezing a frozen scope
+        returns the live freeze (`already`)."""
+        tenant, bucket = await self._freeze_scope(tenant, sku, location)
+        reason = check.text(reason, "reason", 1000)
+        by = check.name(by, "by")
+        if not reason:
+            raise InvalidRequest("a freeze needs a reason", field="reason")
+        doc = await self.db.call(queries["freeze_set"], (tenant, bucket, reason, by),
+                                 op=OPS["freeze_set"])
+        return Freeze.from_json(doc)
+
+    async def unfreeze(self, tenant: int, reason: str, by: str, *, sku: str | None = None,
+                       location: str | None = None) -> Freeze:
+        """Lift the live freeze of a bucket or tenant; the freeze stays on record."""
+        tenant, bucket = await self._freeze_scope(tenant, sku, location)
+        reason = check.text(reason, "reason", 1000)
+        by = check.name(by, "by")
+        if not reason:
+            raise InvalidRequest("an unfreeze needs a reason", field="reason")
+        doc = await self.db.call(queries["freeze_lift"], (tenant, bucket, reason, by),
+                                 op=OPS["freeze_lift"])
+        if doc is None:
+            what = "tenant" if bucket == 0 else f"{sku!r} at {location!r}"
+            raise FreezeNotFound(f"{what} is not frozen")
+        return Freeze.from_json(doc)
+
+    async def freezes(self, tenant: int | None = None) -> list[Freeze]:
+        """The live freezes (of one tenant, or of every tenant), oldest first."""
+        if tenant is not None:
+            tenant = check.tenant_id(tenant)
+        rows = await self.db.fetch(queries["freeze_live_list"], (tenant, tenant),
+                                   op=OPS["freeze_list"])
+        return [Freeze.from_json(r[0]) for r in rows]
+
+    async def _freeze_scope(self, tenant: int, sku: str | None,
+                            location: str | None) -> tuple[int, int]:
+        tenant = check.tenant_id(tenant)
+        if sku is None and location is None:
+            await self._require_tenant(tenant)
+            return tenant, 0
+        if sku is None or location is None:
+            raise InvalidRequest("a bucket freeze needs both sku and location",
+                                 field="sku" if sku is None else "location")
+        sku, location = check.name(sku, "sku"), check.name(location, "location")
+        rows = await self.db.fetch(queries["bucket_id_find"], (tenant, sku, location),
+                                   op=OPS["freeze_list"])
+        if not rows:
+            await self._require_tenant(tenant)
+            raise UnknownStock(f"unknown stock {sku!r} at {location!r}",
+                               detail=[{"sku": sku, "location": location}])
+        return tenant, int(rows[0][0])
 
     async def expire_due(self, batch: int = SWEEP_BATCH_MAX) -> int:
         """Expire up to `batch` (at most 500) due reservations.
@@ -434,9 +557,11 @@ class ReservationService:
 
     async def add_webhook(self, tenant: int, url: str) -> Webhook:
         """Register an endpoint; it gets the tenant's events from now on, signed with the
-        returned secret (shown only here)."""
+        returned secret (shown only here). A host that is, or resolves to, a
+        non-public address raises WebhookUrlRefused (see webhook_targets.py)."""
         tenant = check.tenant_id(tenant)
         url = check.webhook_url(url)
+        await webhook_targets.check_url(url, allow_private=self.allow_private_webhooks)
         secret = WEBHOOK_SECRET_PREFIX + secrets.token_urlsafe(32)
         doc = await self.db.call(queries["webhook_register"], (tenant, url, secret),
                                  op=OPS["webhook_register"])
@@ -512,7 +637,7 @@ class ReservationService:
         if outcome.reservation is not None:
             self._remember_bucket(tenant, uuid.UUID(outcome.reservation.id), bucket)
         self._observe("reserve", "idempotent_replay" if outcome.replayed
-                      else "held" if outcome.held else "sold_out", started)
+                      else _reserve_label(outcome), started)
         return outcome
 
     async def _transition_batched(self, action: str, tenant: int,
@@ -608,6 +733,11 @@ def _batch_answer(answer: dict[str, Any]) -> dict[str, Any] | None:
     if "error" in answer:
         raise typed_error(str(answer["error"]), answer.get("message"), answer.get("detail"))
     return None
+
+
+def _reserve_label(outcome: ReserveOutcome) -> str:
+    """The outcome label of an answered reserve: held, sold_out or frozen."""
+    return "held" if outcome.held else "frozen" if outcome.frozen else "sold_out"
 
 
 def _failure(exc: BaseException) -> str:

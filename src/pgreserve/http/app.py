@@ -35,8 +35,9 @@ from .requestlog import from_env as request_log_from_env
 from .responses import REPLAYED_HEADER
 from .routes import ROUTERS
 
-# An accepted API key is trusted this long before the database is asked again.
-DEFAULT_API_KEY_CACHE_S = 2.0
+# An accepted API key is trusted this long before the database is asked again:
+# 0, every request asks, so a revoked key is refused from the next request on.
+DEFAULT_API_KEY_CACHE_S = 0.0
 
 __all__ = ["DEFAULT_BODY_LIMIT", "REPLAYED_HEADER", "app_from_env", "create_app"]
 
@@ -122,7 +123,8 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
                request_deadline_s: float = DEFAULT_REQUEST_DEADLINE_S,
                tenant_max_in_flight: int = 0,
                pgbouncer_admin_url: str | None = None,
-               request_log: RequestLog | None = None) -> FastAPI:
+               request_log: RequestLog | None = None,
+               allow_private_webhooks: bool | None = None) -> FastAPI:
     """The API over one database: pass a DSN (the app owns its pool) or an open Database.
 
     `clock` replaces the database clock (tests move time by hand). `monitor`
@@ -130,7 +132,8 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     figures go to /metrics and /ops). `prepare_threshold=None` behind PgBouncer
     older than 1.21. `api_key_cache_s`: how long an accepted API key is
     trusted without asking the database again (a revoked key is refused within
-    that time; 0: ask every request). `request_deadline_s`: every request's
+    that time; 0, the default: ask on every request, so a revoked key is refused
+    at once). `request_deadline_s`: every request's
     deadline (the connection wait, statement_timeout and retries fit inside it;
     past it: 503 busy). `tenant_max_in_flight`: at most this many requests of one
     tenant at once in this process (429 beyond; 0: no limit).
@@ -138,6 +141,8 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     listener's /metrics then shows (ops/pgbouncer.py). `request_log`: where one
     line per request goes (none when None). The operations endpoints (/metrics,
     /ops) are not part of this app: see ops_app.create_ops_app.
+    `allow_private_webhooks`: accept webhook URLs on loopback and private
+    addresses (default: PGRESERVE_WEBHOOK_ALLOW_PRIVATE).
     """
     check_deadline(request_deadline_s)
     limit = TenantLimit(tenant_max_in_flight)
@@ -147,6 +152,8 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     options: dict[str, Any] = {"observer": metrics}
     if clock is not None:
         options["clock"] = clock
+    if allow_private_webhooks is not None:
+        options["allow_private_webhooks"] = allow_private_webhooks
     if database is not None and database.observer is None:
         database.observer = metrics.db_event
 

@@ -149,6 +149,18 @@ class WebhooksOut(BaseModel):
     webhooks: list[WebhookOut]
 
 
+class RequestOut(BaseModel):
+    key: str
+    operation: Literal["reserve", "claim", "release", "extend", "adjust"]
+    outcome: Literal["held", "rejected", "applied"]
+    recorded_at: str
+    status: int = Field(description="The HTTP status the request was answered with")
+    answer: dict[str, Any] = Field(
+        description="The body it was answered with (a replay returns the same)")
+    reservation: ReservationOut | None = Field(
+        description="The reservation the answer names, as it is now")
+
+
 class Health(BaseModel):
     status: Literal["ok"]
 

@@ -25,7 +25,7 @@ from starlette.datastructures import State
 
 from ..core.service import ReservationService
 from ..db.database import Database
-from ..ops import web
+from ..ops import controls, web
 from ..ops.pgbouncer import PgBouncerMonitor
 from ..ops.ring import RecentFigures, RingConfig
 from ..workers.base import run_forever
@@ -34,7 +34,7 @@ from .metrics import ApiMetrics
 from .routes import operations
 
 # Every router the ops listener serves, in this order.
-OPS_ROUTERS: list[APIRouter] = [operations.ops_router]
+OPS_ROUTERS: list[APIRouter] = [operations.ops_router, controls.router]
 
 OPS_APPLICATION_NAME = "pgreserve:ops"
 

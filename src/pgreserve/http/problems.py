@@ -36,6 +36,18 @@ class InsufficientStock(errors.PgReserveError):
     code = "insufficient_stock"
 
 
+class BucketFrozen(errors.PgReserveError):
+    """A rejected ReserveOutcome (a bucket of the cart is frozen); raised to render it."""
+
+    code = "bucket_frozen"
+
+
+class TenantFrozen(errors.PgReserveError):
+    """A rejected ReserveOutcome (the tenant is frozen); raised to render it."""
+
+    code = "tenant_frozen"
+
+
 class PayloadTooLarge(errors.PgReserveError):
     code = "payload_too_large"
 
@@ -64,6 +76,10 @@ STATUS: dict[type[errors.PgReserveError], tuple[int, str]] = {
     errors.UnknownStock: (404, "Unknown stock"),
     errors.ReservationNotFound: (404, "Reservation not found"),
     errors.WebhookNotFound: (404, "Webhook not found"),
+    errors.RequestNotFound: (404, "Request not found"),
+    errors.ApiKeyNotFound: (404, "API key not found"),
+    errors.FreezeNotFound: (404, "Not frozen"),
+    errors.WebhookUrlRefused: (422, "Webhook URL refused"),
     errors.IdempotencyKeyReused: (422, "Idempotency-Key reused with another request"),
     errors.WouldOversell: (409, "Adjustment would oversell"),
     errors.ReservationReleased: (409, "Reservation was released"),
@@ -78,6 +94,8 @@ STATUS: dict[type[errors.PgReserveError], tuple[int, str]] = {
     IdempotencyKeyMissing: (400, "Idempotency-Key header required"),
     RequestInProgress: (409, "A request with this Idempotency-Key is in progress"),
     InsufficientStock: (409, "Insufficient stock"),
+    BucketFrozen: (423, "Bucket frozen"),
+    TenantFrozen: (423, "Tenant frozen"),
     PayloadTooLarge: (413, "Request body too large"),
     NotFound: (404, "Not found"),
     MethodNotAllowed: (405, "Method not allowed"),
@@ -125,6 +143,7 @@ class Problem(BaseModel):
     code: str
     short_lines: list[ShortLine] | None = None
     unknown_stock: list[StockRef] | None = None
+    frozen_lines: list[StockRef] | None = None
     errors: list[FieldError] | None = None
 
 
@@ -197,10 +216,12 @@ def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 _DESCRIPTIONS = {
     400: "Bad request (idempotency_key_missing)",
     401: "Missing or unknown API key (unauthorized)",
-    404: "Not found (unknown_stock, reservation_not_found, webhook_not_found)",
+    404: "Not found (unknown_stock, reservation_not_found, webhook_not_found, "
+         "request_not_found)",
     409: "Conflict with the current state",
     413: "Request body too large",
-    422: "Invalid request (invalid_request, idempotency_key_reused)",
+    422: "Invalid request (invalid_request, idempotency_key_reused, webhook_url_refused)",
+    423: "Frozen by an operator (bucket_frozen, tenant_frozen); stored under the key",
     429: "Too many requests of this tenant in flight (too_many_requests); retry after "
          "Retry-After seconds, nothing was done",
     503: "busy (not run), outcome_unknown (may have run: retry with the same key) or "

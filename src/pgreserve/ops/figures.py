@@ -38,6 +38,7 @@ class Figures:
     refills_all: int = 0  # pool_replenish_v1 calls: every refill, inline or background
     refills_background: int = 0  # pool_refill_v1 calls (the Replenisher)
     track_functions: str = "none"
+    frozen: list[dict[str, Any]] = field(default_factory=list)  # the live freezes
 
     @property
     def refills_inline(self) -> int:
@@ -48,7 +49,8 @@ class Figures:
         return {"hot_buckets": [b.as_json() for b in self.hot_buckets], "holds": self.holds,
                 "refills": {"inline": self.refills_inline,
                             "background": self.refills_background,
-                            "track_functions": self.track_functions}}
+                            "track_functions": self.track_functions},
+                "frozen": self.frozen}
 
 
 async def read_figures(db: Database, hot: int = 10) -> Figures:
@@ -61,4 +63,6 @@ async def read_figures(db: Database, hot: int = 10) -> Figures:
     ref = await db.fetch(queries["refill_count"], op=FIGURES)
     all_, background, track = (int(ref[0][0]), int(ref[0][1]), str(ref[0][2])) if ref \
         else (0, 0, "none")
-    return Figures(buckets, holds, all_, background, track)
+    frozen = [r[0] for r in await db.fetch(queries["freeze_live_list"], (None, None),
+                                           op=FIGURES)]
+    return Figures(buckets, holds, all_, background, track, frozen)

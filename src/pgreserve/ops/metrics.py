@@ -87,7 +87,7 @@ class OpsMetrics:
         r = self.registry = registry or CollectorRegistry()
         g: dict[str, Any] = {"registry": r, "multiprocess_mode": "mostrecent"}
         self.reservations = Counter(
-            "pgreserve_reservations", "Reserve calls by outcome: held, sold_out, "
+            "pgreserve_reservations", "Reserve calls by outcome: held, sold_out, frozen, "
             "idempotent_replay, idempotency_key_reused, busy, deadlock_retried, "
             "unknown_outcome_resolved, ...", ["outcome"], registry=r)
         self.operations = Counter(
@@ -150,6 +150,9 @@ class OpsMetrics:
         self.last_autovacuum = Gauge("pgreserve_partition_last_autovacuum_timestamp_seconds",
                                      "Unix time of the last autovacuum per pool partition",
                                      ["partition"], **g)
+        self.freezes = Gauge("pgreserve_freezes", "Live freezes of new reservations by "
+                             "tenant and scope (bucket: frozen buckets, tenant: 1 when the "
+                             "whole tenant is frozen)", ["tenant", "scope"], **g)
         self.xid_age = Gauge("pgreserve_database_xid_age", "age(datfrozenxid) of the database",
                              **g)
         self._seen_idle: set[str] = set()
@@ -177,7 +180,7 @@ class OpsMetrics:
                 self.claims.inc()
             elif outcome == "ok" and action == "release":
                 self.releases.inc()
-        if outcome not in ("ok", "held", "sold_out", "idempotent_replay"):
+        if outcome not in ("ok", "held", "sold_out", "frozen", "idempotent_replay"):
             self.error(f"{action}: {outcome}")
 
     def db_event(self, action: str, event: str) -> None:
@@ -256,6 +259,12 @@ class OpsMetrics:
             self.held_units.labels(b.tenant, b.sku, b.location).set(b.held)
         for state in ("active", "overdue", "claimed", "released", "expired"):
             self.holds.labels(state).set(fig.holds.get(state, 0))
+        counts: dict[tuple[str, str], int] = {}
+        for f in fig.frozen:
+            counts[(f["tenant"], f["scope"])] = counts.get((f["tenant"], f["scope"]), 0) + 1
+        self.freezes.clear()
+        for (tenant, scope), n in counts.items():
+            self.freezes.labels(tenant, scope).set(n)
 
     def render(self) -> bytes:
         """The Prometheus text: this registry, or every process's files in multiprocess mode."""

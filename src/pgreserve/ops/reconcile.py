@@ -5,7 +5,9 @@ them belong to live, active reservations), and the movement ledger: claimed
 units (sale), restored units (restore) and the sum of every on_hand change
 (count + adjust + sale). Every drift is reported; nothing is bulk-reset. Only
 drifts with a safe repair through the service's own functions are repaired,
-and only with --repair; each repair is logged.
+and only with --repair; each repair is logged. With --freeze every bucket with
+a drift is frozen (no new holds; claims, releases and expiry go on) and stays
+frozen until an operator unfreezes it: the evidence is kept as it is.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from ..db.queries import queries
 log = logging.getLogger("pgreserve.reconcile")
 
 REPAIR = Op("reconcile", "repair", "cli/reconcile")
+FREEZE = Op("reconcile", "freeze", "cli/reconcile")
+FROZEN_BY = "pgreserve reconcile --freeze"
 
 
 @dataclass
@@ -49,6 +53,7 @@ class Drift:
     bucket: str | None
     detail: str
     repairable: bool = False
+    bucket_id: int | None = None  # the drifted bucket, when it exists
 
 
 @dataclass
@@ -56,21 +61,48 @@ class Reconciliation:
     books: list[BucketBook] = field(default_factory=list)
     drifts: list[Drift] = field(default_factory=list)
     repaired: list[str] = field(default_factory=list)
+    frozen: list[dict[str, Any]] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         return {"ok": not self.drifts, "buckets": [asdict(b) for b in self.books],
-                "drifts": [asdict(d) for d in self.drifts], "repaired": self.repaired}
+                "drifts": [asdict(d) for d in self.drifts], "repaired": self.repaired,
+                "frozen": self.frozen}
 
 
 def reconcile(dsn: str, *, tenant: int | None = None, grace_s: float = 60.0,
-              repair: bool = False) -> Reconciliation:
-    """Check every bucket (of one tenant, or all); with repair, fix what is safe, re-check."""
+              repair: bool = False, freeze: bool = False) -> Reconciliation:
+    """Check every bucket (of one tenant, or all); with repair, fix what is safe, re-check;
+    with freeze, freeze every bucket that still has a drift."""
     result = _check(dsn, tenant, grace_s)
     if repair and any(d.repairable for d in result.drifts):
         done = _repair(dsn, result)
         result = _check(dsn, tenant, grace_s)
         result.repaired = done
+    if freeze:
+        result.frozen = _freeze(dsn, result)
     return result
+
+
+def _freeze(dsn: str, found: Reconciliation) -> list[dict[str, Any]]:
+    """Freeze each drifted bucket once (its drift kinds as the reason); return the freezes."""
+    kinds: dict[tuple[int, int], list[Drift]] = {}
+    for d in found.drifts:
+        if d.bucket_id is not None:
+            kinds.setdefault((d.tenant_id, d.bucket_id), []).append(d)
+    frozen: list[dict[str, Any]] = []
+    with psycopg.connect(dsn, autocommit=True, application_name="pgreserve:reconcile") as conn:
+        for (tenant, bucket), drifts in sorted(kinds.items()):
+            reason = ("reconcile found drift: "
+                      + "; ".join(f"{d.kind}: {d.detail}" for d in drifts))[:1000]
+            row = conn.execute(tagged(queries["freeze_set"], FREEZE),
+                               (tenant, bucket, reason, FROZEN_BY)).fetchone()
+            if row is None:  # freeze_set_v1 always returns its document
+                raise RuntimeError("freeze_set_v1 returned no row")
+            doc: dict[str, Any] = row[0]
+            log.warning("reconcile froze tenant %s bucket %s@%s: %s", tenant, doc["sku"],
+                        doc["location"], reason)
+            frozen.append(doc)
+    return frozen
 
 
 def _check(dsn: str, tenant: int | None, grace_s: float) -> Reconciliation:
@@ -92,28 +124,32 @@ def _check(dsn: str, tenant: int | None, grace_s: float) -> Reconciliation:
         if b.pool + b.held > b.on_hand:
             out.drifts.append(Drift(
                 "overcommitted", b.tenant_id, where,
-                f"pool {b.pool} + held {b.held} = {b.pool + b.held} > on_hand {b.on_hand}"))
+                f"pool {b.pool} + held {b.held} = {b.pool + b.held} > on_hand {b.on_hand}",
+                bucket_id=b.bucket_id))
         elif b.on_hand != b.free + b.pool + b.held:
             out.drifts.append(Drift(
                 "accounting", b.tenant_id, where,
-                f"on_hand {b.on_hand} <> free {b.free} + pool {b.pool} + held {b.held}"))
+                f"on_hand {b.on_hand} <> free {b.free} + pool {b.pool} + held {b.held}",
+                bucket_id=b.bucket_id))
         if b.on_hand != b.ledger_on_hand:
             out.drifts.append(Drift(
                 "ledger_mismatch", b.tenant_id, where,
                 f"on_hand {b.on_hand} <> movement ledger (count + adjust + sale) "
-                f"{b.ledger_on_hand}"))
+                f"{b.ledger_on_hand}", bucket_id=b.bucket_id))
         if b.strategy == "row" and b.pool > 0:
             out.drifts.append(Drift("pool_on_row_bucket", b.tenant_id, where,
-                                    f"{b.pool} pool units on a row-strategy bucket"))
-    for t, rid, line, bucket, qty, no_res, _no_bucket in orphans:
+                                    f"{b.pool} pool units on a row-strategy bucket",
+                                    bucket_id=b.bucket_id))
+    for t, rid, line, bucket, qty, no_res, no_bucket in orphans:
         what = "no reservation row" if no_res else "no stock bucket"
         out.drifts.append(Drift("orphan_hold", int(t), names.get((int(t), int(bucket))),
                                 f"line {line} of reservation {rid} holds {qty} unit(s) of "
-                                f"bucket {bucket}: {what}"))
+                                f"bucket {bucket}: {what}",
+                                bucket_id=None if no_bucket else int(bucket)))
     for t, rid, line, bucket, qty, status in finished:
         out.drifts.append(Drift("finished_but_held", int(t), names.get((int(t), int(bucket))),
                                 f"reservation {rid} is {status} but line {line} still holds "
-                                f"{qty} unit(s)"))
+                                f"{qty} unit(s)", bucket_id=int(bucket)))
     for t, rid, expires_at in overdue:
         out.drifts.append(Drift("expired_but_active", int(t), None,
                                 f"reservation {rid} expired at {expires_at.isoformat()} and "

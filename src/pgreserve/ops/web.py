@@ -104,6 +104,9 @@ def render_tables(doc: dict[str, Any]) -> str:
               p["last_autovacuum"], p["pgstattuple_dead_pct"]]
              for p in doc["bloat"]["partitions"]]
     errors = [[e["at"], e["error"]] for e in doc["recent_errors"]]
+    frozen = [[f["tenant"], "(whole tenant)" if f["scope"] == "tenant" else f["sku"],
+               f["location"], f["frozen_at"], f["frozen_by"], f["reason"]]
+              for f in doc.get("frozen", [])]
     refills = doc["refills"]
     oldest = ht["oldest_xact"]
     warn = doc["bloat"]["warnings"]
@@ -115,6 +118,8 @@ Pool refills: inline <span id="refills-inline">{refills['inline']}</span>,
 background <span id="refills-background">{refills['background']}</span>.</p>
 {'<p class="warn" id="bloat-warning">Bloat warning: ' + html.escape(', '.join(warn)) + '</p>'
  if warn else ''}
+<h2>Frozen (no new reservations)</h2>
+{_table(["tenant", "sku", "location", "since", "by", "reason"], frozen, "frozen")}
 <h2>Hot buckets and pool levels</h2>
 {_table(["tenant", "sku", "location", "strategy", "on_hand", "free", "pool", "pool_cap",
          "held", "hold lines"], buckets, "hot-buckets")}

@@ -8,6 +8,12 @@ leased for `lease_s`; the HTTP request goes out with no transaction open and a
 timeout shorter than the lease, so several copies of this worker never send to
 one endpoint at once, and a dead endpoint holds up nothing but itself.
 
+Only public addresses are sent to unless `allow_private` (webhook_targets.py):
+an IP literal is checked before the request, a name by the connector's
+resolver, on the very addresses it is about to connect to (a name that
+resolved elsewhere at registration is refused here without connecting). Redirects
+are never followed.
+
 Every request is signed: header `Pgreserve-Signature: t=<unix seconds>,v1=<hex>`
 where v1 = HMAC-SHA256(secret, f"{t}." + body) (see `verify`).
 """
@@ -15,20 +21,26 @@ where v1 = HMAC-SHA256(secret, f"{t}." + body) (see `verify`).
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import hmac
 import json
 import logging
+import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import aiohttp
+from aiohttp.abc import AbstractResolver, ResolveResult
+from aiohttp.resolver import DefaultResolver
 
+from .. import webhook_targets
 from ..core.service import OPS, ReservationService
 from ..db.queries import queries
 from ..domain import Event
+from ..errors import WebhookUrlRefused
 from .base import LoopConfig
 
 log = logging.getLogger(__name__)
@@ -74,6 +86,9 @@ class WebhookConfig:
     concurrency: int = 16  # endpoints one worker delivers to at the same time
     events_per_claim: int = 100  # then the endpoint goes back in the queue
     loop: LoopConfig = field(default_factory=lambda: LoopConfig(interval_s=0.5))
+    # send to loopback, private and other non-public addresses too (local
+    # development, tests); default: PGRESERVE_WEBHOOK_ALLOW_PRIVATE
+    allow_private: bool = field(default_factory=webhook_targets.allow_private_default)
 
     def __post_init__(self) -> None:
         if not 0.05 <= self.timeout_s <= 300:
@@ -88,6 +103,30 @@ class WebhookConfig:
             raise ValueError("concurrency must be between 1 and 1000")
         if not 1 <= self.events_per_claim <= 10_000:
             raise ValueError("events_per_claim must be between 1 and 10000")
+
+
+class AddressRefused(OSError):
+    """A delivery's host resolved to an address webhooks may not go to."""
+
+
+class PublicOnlyResolver(AbstractResolver):
+    """The connector's resolver: the system's answer, refused whole when any address
+    in it is not public (aiohttp connects only to the addresses returned here)."""
+
+    def __init__(self) -> None:
+        self._inner = DefaultResolver()
+
+    async def resolve(self, host: str, port: int = 0,
+                      family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
+        found = await self._inner.resolve(host, port, family)
+        try:
+            webhook_targets.check_addresses(host, [str(r["host"]) for r in found])
+        except WebhookUrlRefused as exc:
+            raise AddressRefused(errno.EACCES, exc.message) from None
+        return found
+
+    async def close(self) -> None:
+        await self._inner.close()
 
 
 @dataclass(frozen=True)
@@ -179,7 +218,10 @@ class WebhookDeliverer:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
+            connector = (aiohttp.TCPConnector() if self.config.allow_private
+                         else aiohttp.TCPConnector(resolver=PublicOnlyResolver()))
             self._session = aiohttp.ClientSession(
+                connector=connector,
                 timeout=aiohttp.ClientTimeout(total=self.config.timeout_s),
                 headers={"User-Agent": USER_AGENT}, trust_env=False)
         return self._session
@@ -223,6 +265,10 @@ class WebhookDeliverer:
 
     async def _post(self, claim: Claim, event: Event) -> str | None:
         """POST one event; None on a 2xx, else what went wrong."""
+        if not self.config.allow_private:
+            refused = _refused_literal(claim.url)
+            if refused is not None:
+                return refused
         body = event_body(event)
         headers = {
             "Content-Type": "application/json",
@@ -238,5 +284,24 @@ class WebhookDeliverer:
                 return f"HTTP {response.status}"
         except TimeoutError:
             return f"timed out after {self.config.timeout_s:g} s"
+        except aiohttp.ClientConnectorError as exc:
+            if isinstance(exc.os_error, AddressRefused):
+                return f"refused, not sent: {exc.os_error.strerror}"[:1000]
+            return f"{type(exc).__name__}: {exc}"[:1000]
         except aiohttp.ClientError as exc:
             return f"{type(exc).__name__}: {exc}"[:1000]
+
+
+def _refused_literal(url: str) -> str | None:
+    """The error of a URL whose host is a refused IP literal (no resolver sees those)."""
+    try:
+        host = webhook_targets.host_of(url)
+    except (ValueError, WebhookUrlRefused):
+        return "refused, not sent: the URL has no valid host"
+    address = webhook_targets.literal(host)
+    if address is None:
+        return None
+    why = webhook_targets.refusal(address)
+    if why is None:
+        return None
+    return f"refused, not sent: webhook host {host} is {why}"

@@ -19,7 +19,7 @@ router = APIRouter(tags=["reservations"])
 
 
 @router.post("/v1/reservations", status_code=201, response_model=ReservationOut,
-             responses=problems.responses(400, 404, 409, 413, *COMMON),
+             responses=problems.responses(400, 404, 409, 413, 423, *COMMON),
              summary="Hold every line of a cart, or none")
 async def reserve(body: ReserveIn, caller: Authenticated,
                   idempotency_key: KeyHeader = None) -> Response:
@@ -36,13 +36,23 @@ async def reserve(body: ReserveIn, caller: Authenticated,
 
 
 def reserve_response(outcome: ReserveOutcome) -> Response:
-    """201 with the reservation, or 409 insufficient_stock with its short lines."""
+    """201 with the reservation, 409 insufficient_stock with its short lines, or 423
+    bucket_frozen / tenant_frozen."""
     if outcome.held:
         assert outcome.reservation is not None
         return json_response(201, reservation_doc(outcome.reservation), outcome.replayed)
+    headers = {REPLAYED_HEADER: "true"} if outcome.replayed else None
+    if outcome.reason == "tenant_frozen":
+        return problems.problem_response(
+            problems.TenantFrozen("an operator froze new reservations of this tenant"),
+            headers=headers)
+    if outcome.reason == "bucket_frozen":
+        frozen = [{"sku": f.sku, "location": f.location} for f in outcome.frozen_lines]
+        return problems.problem_response(
+            problems.BucketFrozen(f"an operator froze new reservations of {len(frozen)} "
+                                  "line(s)"), headers=headers, frozen_lines=frozen)
     short = [{"sku": s.sku, "location": s.location, "requested": s.requested,
               "available": s.available} for s in outcome.short_lines]
-    headers = {REPLAYED_HEADER: "true"} if outcome.replayed else None
     return problems.problem_response(
         problems.InsufficientStock(f"not enough stock for {len(short)} line(s)"),
         headers=headers, short_lines=short)

@@ -62,6 +62,7 @@ DECLARE
     v_don_hand bigint := 0;
     v_dshortfall bigint := 0;
     v_looked boolean := false;
+    v_frozen jsonb;           -- the refusal of every reserve, when frozen
     v_others boolean := false;
     v_refill boolean := false;
     -- what the batch writes, set-based at the end
@@ -92,6 +93,11 @@ BEGIN
     PERFORM pg_advisory_xact_lock(h)
     FROM (SELECT DISTINCT hashtextextended(k, p_tenant) AS h
           FROM unnest(p_keys) AS k WHERE k IS NOT NULL ORDER BY 1) s;
+    -- A batch that may create holds takes the tenant's freeze lock shared
+    -- (freeze.sql) and reads the live freezes under it, below.
+    IF 'reserve' = ANY (p_kinds) THEN
+        v_void := pg_advisory_xact_lock_shared(1885827686, freeze_lock_key_v1(p_tenant))::text;
+    END IF;
 
     SELECT array_agg(reservation_id), array_agg(status), array_agg(created_at),
            array_agg(expires_at), array_agg(claimed_at), array_agg(released_at),
@@ -150,6 +156,12 @@ BEGIN
     WHERE tenant_id = p_tenant
       AND request_key = ANY (SELECT k FROM unnest(p_keys) AS k WHERE k IS NOT NULL);
     k_keys := coalesce(k_keys, '{}');
+    IF 'reserve' = ANY (p_kinds)
+       AND EXISTS (SELECT 1 FROM stock_freeze f
+                   WHERE f.tenant_id = p_tenant AND f.lifted_at IS NULL
+                     AND f.bucket_id IN (0, p_bucket)) THEN
+        v_frozen := freeze_refusal_v1(p_tenant, ARRAY[p_bucket]);
+    END IF;
 
     FOR i IN 1 .. v_n LOOP
         IF p_keys[i] IS NOT NULL THEN
@@ -172,7 +184,7 @@ BEGIN
             v_q := p_quantities[i];
             -- The batch holds the bucket row: it takes from free first (a
             -- counter) and deletes pool units only for what free cannot cover.
-            IF v_units + v_free < v_q AND NOT v_looked THEN
+            IF v_frozen IS NULL AND v_units + v_free < v_q AND NOT v_looked THEN
                 v_looked := true;
                 IF v_dfree <> 0 OR v_don_hand <> 0 OR v_dshortfall <> 0 THEN
                     -- the look gives expired holds back against the bucket row
@@ -187,7 +199,11 @@ BEGIN
                 FROM bucket_batch_look_v1(p_tenant, p_bucket, b.strategy, b.pool_cap, v_now,
                                           i, p_kinds, p_quantities, v_units, v_free, r_ids);
             END IF;
-            IF v_units + v_free >= v_q THEN
+            IF v_frozen IS NOT NULL THEN
+                -- stored under its key like any answer
+                v_doc := v_frozen;
+                l_status := l_status || 'rejected'::text;
+            ELSIF v_units + v_free >= v_q THEN
                 v_w := least(v_free, v_q);
                 v_free := v_free - v_w;
                 v_dfree := v_dfree - v_w;

@@ -98,6 +98,9 @@ BEGIN
     -- (an assignment, not PERFORM: PL/pgSQL evaluates a simple expression
     -- without starting the executor; the void result is cast to text)
     v_void := pg_advisory_xact_lock(hashtextextended(p_key, p_tenant))::text;
+    -- The tenant's freeze lock, shared (freeze.sql): a freeze commits only
+    -- when no take that did not see it is still open.
+    v_void := pg_advisory_xact_lock_shared(1885827686, freeze_lock_key_v1(p_tenant))::text;
     -- (ledger_check_v1, inline: this is the hottest path)
     SELECT * INTO v_prior FROM request_ledger WHERE tenant_id = p_tenant AND request_key = p_key;
     IF FOUND THEN
@@ -153,6 +156,22 @@ BEGIN
     IF v_missing IS NOT NULL THEN
         PERFORM tenant_require_v1(p_tenant);
         RAISE EXCEPTION 'unknown stock' USING ERRCODE = 'PR404', DETAIL = v_missing::text;
+    END IF;
+
+    -- A frozen tenant or bucket: the refusal is stored under the key like any
+    -- answer (read after the freeze lock, so a committed freeze is seen).
+    IF EXISTS (SELECT 1 FROM stock_freeze f
+               WHERE f.tenant_id = p_tenant AND f.lifted_at IS NULL
+                 AND f.bucket_id = ANY (v_buckets || 0::bigint)) THEN
+        v_outcome := freeze_refusal_v1(p_tenant, v_buckets);
+        INSERT INTO request_ledger (tenant_id, request_key, operation, digest, status, outcome)
+        VALUES (p_tenant, p_key, 'reserve', p_digest, 'rejected', v_outcome)
+        ON CONFLICT (tenant_id, request_key) DO NOTHING;
+        IF NOT FOUND THEN
+            RAISE EXCEPTION 'request key % was committed by a concurrent request', p_key
+                USING ERRCODE = 'PR409';
+        END IF;
+        RETURN v_outcome;
     END IF;
 
     IF v_sold_out THEN

@@ -17,3 +17,14 @@ BEGIN
     INSERT INTO api_key (tenant_id, key_hash) VALUES (v_tenant, p_key_hash);
     RETURN v_tenant;
 END $$;
+
+-- The same, keeping the first characters of the key for `tenant key list`.
+CREATE OR REPLACE FUNCTION tenant_create_v2(p_name text, p_key_hash bytea, p_key_prefix text)
+RETURNS bigint LANGUAGE plpgsql AS $$
+DECLARE
+    v_tenant bigint;
+BEGIN
+    INSERT INTO tenant (name) VALUES (p_name) RETURNING tenant_id INTO v_tenant;
+    INSERT INTO api_key (tenant_id, key_hash, key_prefix) VALUES (v_tenant, p_key_hash, p_key_prefix);
+    RETURN v_tenant;
+END $$;

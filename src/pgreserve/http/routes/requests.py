@@ -1,0 +1,71 @@
+"""/v1/requests/{key}: what a request key was answered, for a client that lost the reply."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import APIRouter
+from starlette.convertors import Convertor, register_url_convertor
+from starlette.responses import Response
+
+from ...domain import RequestRecord, Reservation, ReserveOutcome, StockView
+from .. import problems
+from ..dependencies import PathName, Service, Tenant, stored_name
+from ..models import RequestOut, reservation_doc, stock_doc
+from ..responses import COMMON, json_response
+from .reservations import reserve_response
+
+router = APIRouter(tags=["requests"])
+
+
+class RequestKeyConvertor(Convertor[str]):
+    """The rest of the path, "/" and line breaks included (a key may hold both, sent
+    percent-encoded, and the router sees the path decoded); never NUL."""
+
+    regex = "[^\x00]+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("request_key", RequestKeyConvertor())
+
+
+@router.get("/v1/requests/{key:request_key}", response_model=RequestOut,
+            responses=problems.responses(404, *COMMON),
+            summary="The stored answer under an Idempotency-Key, and the reservation it "
+                    "names as it is now")
+async def get_request(key: PathName, tenant: Tenant, svc: Service) -> Response:
+    record = await svc.lookup_request(tenant, stored_name(key, "key"))
+    return json_response(200, request_doc(record))
+
+
+def request_doc(record: RequestRecord) -> dict[str, Any]:
+    """The lookup's body: the first answer as it was sent, and the reservation now."""
+    stored = record.outcome
+    status, answer = _answer(record.operation, stored)
+    outcome = stored.get("status") if record.operation == "reserve" else "applied"
+    return {
+        "key": record.key,
+        "operation": record.operation,
+        "outcome": outcome if outcome in ("held", "rejected") else "applied",
+        "recorded_at": record.recorded_at.isoformat(),
+        "status": status,
+        "answer": answer,
+        "reservation": None if record.reservation is None
+        else reservation_doc(record.reservation),
+    }
+
+
+def _answer(operation: str, stored: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """The status and body first sent for this stored outcome (rendered the same way)."""
+    if operation == "reserve":
+        response = reserve_response(ReserveOutcome.from_json(stored))
+        return response.status_code, json.loads(bytes(response.body))
+    if "stock" in stored:
+        return 200, stock_doc(StockView.from_json(stored["stock"]))
+    return 200, reservation_doc(Reservation.from_json(stored["reservation"]))

@@ -1,0 +1,77 @@
+"""Lookup by request key: the stored answer under an Idempotency-Key and, for a hold,
+the reservation as it is now."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import ApiTenant
+from pgreserve import ReservationService, Tenant
+from pgreserve.errors import RequestNotFound
+from test_http_api import assert_problem, put_stock, reserve
+
+
+async def test_library_lookup_of_held_rejected_and_unknown_keys(
+        service: ReservationService, tenant: Tenant, strategy: str) -> None:
+    """A held key returns its stored outcome and the reservation's current state (claimed
+    after a claim), a rejected key its stored rejection with no reservation, a keyed claim
+    its own outcome; an unknown key, and another tenant's key, raise RequestNotFound."""
+    await service.set_stock(tenant.id, "tee", "eu", 2, strategy=strategy)
+    held = await service.reserve(tenant.id, "buy-1", [("tee", "eu", 2)])
+    assert held.held and held.reservation
+    short = await service.reserve(tenant.id, "buy-2", [("tee", "eu", 1)])
+    assert not short.held
+
+    found = await service.lookup_request(tenant.id, "buy-1")
+    assert found.operation == "reserve" and found.status == "succeeded"
+    assert found.outcome["status"] == "held"
+    assert found.outcome["reservation"]["id"] == held.reservation.id
+    assert found.reservation is not None and found.reservation.status.value == "active"
+
+    await service.claim(tenant.id, held.reservation.id, request_key="pay-1")
+    after = await service.lookup_request(tenant.id, "buy-1")
+    assert after.outcome == found.outcome  # the stored answer never changes
+    assert after.reservation is not None and after.reservation.status.value == "claimed"
+    claim = await service.lookup_request(tenant.id, "pay-1")
+    assert claim.operation == "claim" and claim.outcome["status"] == "applied"
+
+    rejected = await service.lookup_request(tenant.id, "buy-2")
+    assert rejected.status == "rejected" and rejected.reservation is None
+    assert rejected.outcome["reason"] == "insufficient_stock"
+    assert rejected.outcome["short_lines"][0]["available"] == 0
+
+    other = await service.create_tenant("globex")
+    for who, key in ((tenant.id, "never-sent"), (other.id, "buy-1")):
+        with pytest.raises(RequestNotFound):
+            await service.lookup_request(who, key)
+
+
+async def test_http_lookup_returns_the_first_answer_and_the_state_now(
+        api: ApiTenant, other: ApiTenant) -> None:
+    """GET /v1/requests/{key} returns the status and body the request was first answered
+    with, and the reservation as it is now; an unknown key (or another tenant's) is 404
+    request_not_found, and without an API key it is 401."""
+    await put_stock(api, "tee", 1)
+    first = await reserve(api, "buy 1/a", [("tee", "wh", 1)])
+    assert first.status_code == 201
+    rid = first.json()["id"]
+    short = await reserve(api, "buy-2", [("tee", "wh", 1)])
+    assert short.status_code == 409
+    assert (await api.client.post(f"/v1/reservations/{rid}/release")).status_code == 200
+
+    got = await api.client.get("/v1/requests/buy%201%2Fa")
+    assert got.status_code == 200, got.text
+    doc = got.json()
+    assert doc["key"] == "buy 1/a" and doc["operation"] == "reserve"
+    assert doc["outcome"] == "held" and doc["status"] == 201
+    assert doc["answer"] == first.json()
+    assert doc["reservation"]["id"] == rid and doc["reservation"]["status"] == "released"
+
+    lost = (await api.client.get("/v1/requests/buy-2")).json()
+    assert lost["outcome"] == "rejected" and lost["status"] == 409
+    assert lost["answer"] == short.json() and lost["reservation"] is None
+
+    assert_problem(await api.client.get("/v1/requests/nope"), 404, "request_not_found")
+    assert_problem(await other.client.get("/v1/requests/buy-2"), 404, "request_not_found")
+    anonymous = await api.client.get("/v1/requests/buy-2", headers={"Authorization": ""})
+    assert_problem(anonymous, 401, "unauthorized")
