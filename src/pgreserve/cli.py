@@ -58,6 +58,11 @@ def with_http(f: Any) -> Any:
     return f
 
 
+legacy_option = click.option(
+    "--legacy-redis-url", envvar="PGRESERVE_LEGACY_REDIS_URL", default=None,
+    help="redis:// URL of the legacy hold store to roll out beside (see `pgreserve rollout`).")
+
+
 class _Group(click.Group):
     """The top-level group: a schema the runner refuses is a message, not a traceback."""
 
@@ -241,8 +246,9 @@ def worker(database_url: str | None, data_dir: str | None, key_retention_hours: 
 @with_db
 @with_http
 @retention_option
+@legacy_option
 def up(database_url: str | None, data_dir: str | None, host: str, port: int,
-       key_retention_hours: float) -> None:
+       key_retention_hours: float, legacy_redis_url: str | None) -> None:
     """Start everything: the database (embedded unless a URL is given), migrated, the HTTP API
     and the workers, in one process."""
     with _dsn(database_url, data_dir) as dsn:
@@ -252,7 +258,8 @@ def up(database_url: str | None, data_dir: str | None, host: str, port: int,
         from .http.server import run
 
         run(_run(dsn, http=(host, port), workers=True,
-                 key_retention_hours=key_retention_hours, announce=True))
+                 key_retention_hours=key_retention_hours, announce=True,
+                 legacy_redis_url=legacy_redis_url))
     console.print("pgreserve stopped cleanly")
 
 
@@ -261,19 +268,23 @@ def up(database_url: str | None, data_dir: str | None, host: str, port: int,
 @with_http
 @click.option("--workers", "processes", default=1, show_default=True,
               type=click.IntRange(1, 64), help="HTTP server processes.")
+@legacy_option
 def serve(database_url: str | None, data_dir: str | None, host: str, port: int,
-          processes: int) -> None:
+          processes: int, legacy_redis_url: str | None) -> None:
     """Run the HTTP API only (run `pgreserve worker` beside it)."""
     with _dsn(database_url, data_dir) as dsn:
         migrations.migrate(dsn)
         if processes == 1:
             from .http.server import run
 
-            run(_run(dsn, http=(host, port), workers=False, announce=True))
+            run(_run(dsn, http=(host, port), workers=False, announce=True,
+                     legacy_redis_url=legacy_redis_url))
         else:
             import os
 
             os.environ["PGRESERVE_DATABASE_URL"] = dsn
+            if legacy_redis_url:
+                os.environ["PGRESERVE_LEGACY_REDIS_URL"] = legacy_redis_url
             # prometheus_client multiprocess mode: each worker writes its values
             # to files in this directory and /metrics aggregates them.
             if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
@@ -289,7 +300,8 @@ def serve(database_url: str | None, data_dir: str | None, host: str, port: int,
 
 
 async def _run(dsn: str, *, http: tuple[str, int] | None, workers: bool,
-               key_retention_hours: float = 24.0, announce: bool = False) -> None:
+               key_retention_hours: float = 24.0, announce: bool = False,
+               legacy_redis_url: str | None = None) -> None:
     """Run the API and/or the workers in this event loop until SIGINT or SIGTERM."""
     from datetime import timedelta
 
@@ -314,7 +326,7 @@ async def _run(dsn: str, *, http: tuple[str, int] | None, workers: bool,
         if http is not None:
             from .http.server import ApiServer
 
-            server = ApiServer(dsn, *http, monitor=True)
+            server = ApiServer(dsn, *http, monitor=True, legacy_redis_url=legacy_redis_url)
             tasks.append(asyncio.create_task(server.serve()))
             await server.wait_started(stop)
             if announce and server.started:
@@ -482,8 +494,10 @@ def ops_bloat(database_url: str | None, data_dir: str | None, as_json: bool) -> 
 
 
 from .bench.cli import bench  # noqa: E402  (the bench group imports the core, not the CLI)
+from .rollout.cli import rollout  # noqa: E402  (like bench: a group of its own module)
 
 main.add_command(bench)
+main.add_command(rollout)
 
 
 def _dsn(database_url: str | None, data_dir: str | None) -> Any:

@@ -21,6 +21,7 @@ from fastapi import Depends, FastAPI
 from ..core.service import Clock, ReservationService
 from ..db.database import Database
 from ..ops import web
+from ..rollout import Rollout
 from .dependencies import ApiKeyCache, InFlight, known_query_only
 from .exception_handlers import EXCEPTION_HANDLERS
 from .metrics import ApiMetrics
@@ -68,10 +69,29 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     await database.open()
     state.service = ReservationService(database, **state.service_options)
     try:
-        async with web.monitors(app, database.conninfo, state.metrics, enabled=state.monitor):
+        async with web.monitors(app, database.conninfo, state.metrics, enabled=state.monitor), \
+                legacy_store(app):
             yield
     finally:
         await database.close()
+
+
+@asynccontextmanager
+async def legacy_store(app: FastAPI) -> AsyncIterator[None]:
+    """With a legacy Redis store configured, the rollout layer (and its expiry sweep)
+    serves reserve, claim and release by each tenant's mode."""
+    url: str | None = app.state.legacy_redis_url
+    if url is None:
+        yield
+        return
+    rollout = Rollout.from_url(app.state.service, url, registry=app.state.metrics.registry)
+    rollout.start()
+    app.state.rollout = rollout
+    try:
+        yield
+    finally:
+        app.state.rollout = None
+        await rollout.aclose()
 
 
 def create_app(dsn: str | None = None, *, database: Database | None = None,
@@ -79,7 +99,8 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
                clock: Clock | None = None, application_name: str = "pgreserve:api",
                pool_min_size: int = 1, monitor: bool = False,
                prepare_threshold: int | None = 5,
-               api_key_cache_s: float = DEFAULT_API_KEY_CACHE_S) -> FastAPI:
+               api_key_cache_s: float = DEFAULT_API_KEY_CACHE_S,
+               legacy_redis_url: str | None = None, rollout: Rollout | None = None) -> FastAPI:
     """The API over one database: pass a DSN (the app owns its pool) or an open Database.
 
     `clock` replaces the database clock (tests move time by hand). `monitor`
@@ -87,7 +108,9 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     figures go to /metrics and /ops). `prepare_threshold=None` behind PgBouncer
     older than 1.21. `api_key_cache_s`: how long an accepted API key is
     trusted without asking the database again (a revoked key is refused within
-    that time; 0: ask every request).
+    that time; 0: ask every request). `legacy_redis_url` (an owned pool) or
+    `rollout` (an open Database): reserve, claim and release go through the
+    rollout layer beside the legacy Redis store (rollout/).
     """
     if database is None and dsn is None:
         raise ValueError("create_app needs a dsn or a database")
@@ -115,6 +138,8 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     state.api_keys = ApiKeyCache(api_key_cache_s)
     state.monitor = monitor
     state.service_options = options
+    state.legacy_redis_url = legacy_redis_url
+    state.rollout = rollout
     if database is not None:
         state.owned_pool = None
         state.service = ReservationService(database, **options)
@@ -139,4 +164,5 @@ def app_from_env() -> FastAPI:
                       prepare_threshold=None if threshold.lower() in ("", "none") else
                       int(threshold),
                       api_key_cache_s=float(os.environ.get("PGRESERVE_API_KEY_CACHE_SECONDS",
-                                                           DEFAULT_API_KEY_CACHE_S)))
+                                                           DEFAULT_API_KEY_CACHE_S)),
+                      legacy_redis_url=os.environ.get("PGRESERVE_LEGACY_REDIS_URL") or None)

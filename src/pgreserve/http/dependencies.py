@@ -19,6 +19,7 @@ from fastapi.routing import APIRoute
 from .. import apikeys, errors
 from .. import validation as check
 from ..core.service import ReservationService
+from ..rollout import Rollout
 from . import problems
 from .metrics import ApiMetrics
 from .models import storable
@@ -137,11 +138,14 @@ class Caller:
     service: ReservationService
     keys: InFlight
     metrics: ApiMetrics
+    # reserve, claim and release: the rollout layer when a legacy store is configured
+    holds: ReservationService | Rollout
 
 
 async def caller(request: Request, tenant: Annotated[int, Depends(tenant_id)]) -> Caller:
     state = request.app.state
-    return Caller(tenant, service(request), state.inflight, state.metrics)
+    svc = service(request)
+    return Caller(tenant, svc, state.inflight, state.metrics, state.rollout or svc)
 
 
 # The query parameters a route declares, found once and kept on the route.

@@ -27,7 +27,7 @@ async def reserve(body: ReserveIn, caller: Authenticated,
     assert key is not None
     tenant = caller.tenant
     async with caller.keys.hold(tenant, key):
-        outcome = await caller.service.reserve(
+        outcome = await caller.holds.reserve(
             tenant, key, [(x.sku, x.location, x.quantity) for x in body.lines],
             ttl=body.ttl_seconds)
     caller.metrics.http_reserve_outcomes.labels("held" if outcome.held else "rejected",
@@ -78,7 +78,7 @@ async def transition(operation: str, run: Callable[[str | None], Awaitable[Reser
 async def claim(reservation_id: str, caller: Authenticated,
                 idempotency_key: KeyHeader = None) -> Response:
     return await transition(
-        "claim", lambda key: caller.service.claim(caller.tenant, reservation_id, request_key=key),
+        "claim", lambda key: caller.holds.claim(caller.tenant, reservation_id, request_key=key),
         caller, idempotency_key)
 
 
@@ -88,7 +88,7 @@ async def claim(reservation_id: str, caller: Authenticated,
 async def release(reservation_id: str, caller: Authenticated,
                   idempotency_key: KeyHeader = None) -> Response:
     return await transition(
-        "release", lambda key: caller.service.release(caller.tenant, reservation_id,
+        "release", lambda key: caller.holds.release(caller.tenant, reservation_id,
                                                       request_key=key),
         caller, idempotency_key)
 
