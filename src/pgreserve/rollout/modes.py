@@ -33,6 +33,10 @@ class Mode(str, enum.Enum):
     def writes_redis(self) -> bool:
         return self is not Mode.PGRESERVE
 
+    @property
+    def answers_from_redis(self) -> bool:
+        return self in (Mode.LEGACY, Mode.SHADOW)
+
     @classmethod
     def parse(cls, value: Any) -> Mode:
         try:

@@ -216,7 +216,14 @@ class Rollout:
         if not entry.redis_may_hold(utcnow()):
             return await self._pg(action, tenant, reservation_id, request_key)
         tenant = check.tenant_id(tenant)
-        record = await self.store.record(tenant, str(reservation_id))
+        try:
+            record = await self.store.record(tenant, str(reservation_id))
+        except Exception:
+            if entry.mode.answers_from_redis:
+                raise
+            # Redis is the secondary store now: pgreserve answers without it
+            self.metrics.secondary_failures.labels("legacy", action).inc()
+            return await self._pg(action, tenant, reservation_id, request_key)
         if record is None or record.mode == Mode.PGRESERVE.value:
             return await self._pg(action, tenant, reservation_id, request_key)
         self.recorder.request(tenant)
