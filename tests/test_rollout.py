@@ -313,6 +313,31 @@ async def test_switch_with_holds_in_flight_loses_and_duplicates_nothing(
     assert await service.invariant_violations() == []
 
 
+async def test_extend_moves_the_expiry_in_the_stores_of_the_holds_mode(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """An extend of a shadow hold moves its expiry in Redis (hold key TTL) and in pgreserve;
+    an extend of a released hold is refused by both alike."""
+    await seed(service, store, tenant.id, "a", 2)
+    await set_mode(db, tenant.id, Mode.SHADOW, "test")
+    out = await rollout.reserve(tenant.id, "k", [("a", "berlin", 1)], ttl=5)
+    assert out.reservation is not None
+    rid = out.reservation.id
+    longer = await rollout.extend(tenant.id, rid, 600)
+    assert (longer.expires_at - out.reservation.expires_at).total_seconds() > 500
+    assert await store.redis.pttl(store.key(tenant.id, "hold", rid)) > 500_000
+    record = await store.record(tenant.id, rid)
+    assert record is not None and record.pg_id is not None
+    twin = await service.get_reservation(tenant.id, record.pg_id)
+    assert (twin.expires_at - out.reservation.expires_at).total_seconds() > 500
+    await rollout.release(tenant.id, rid)
+    with pytest.raises(errors.ReservationNotActive):
+        await rollout.extend(tenant.id, rid, 600)
+    await rollout.recorder.flush()
+    summary, latest = await reports.report(db, tenant.id)
+    assert latest == [] and summary[0].compared == 4
+
+
 async def test_a_failing_secondary_store_never_fails_the_caller(
         service: ReservationService, tenant: Tenant, db: Database) -> None:
     """Primary mode with Redis stopped still answers from pgreserve; the failures are counted
@@ -383,6 +408,20 @@ async def test_rollout_cli_sets_modes_with_who_and_plans_smallest_first(
     bad = await run(str(BIN), "rollout", "set", "big", "sideways", "--database-url",
                     db.conninfo, check=False)
     assert bad.returncode != 0 and "sideways" in bad.stderr
+
+
+async def test_rehearsal_runs_a_shadow_sale_on_a_scratch_tenant(
+        service: ReservationService, redis_server: RedisServer, db: Database) -> None:
+    """`rollout rehearse` sells out a scratch tenant in shadow mode; both stores agree on
+    every request and the report has its latencies."""
+    from pgreserve.rollout.rehearsal import rehearse
+
+    done = await rehearse(service, redis_server.url, buyers=24, stock=16, seed=3)
+    assert done.held == 16 and done.tenant.name.startswith("rehearsal-")
+    summary, latest = await reports.report(db, done.tenant.id)
+    assert latest == [] and summary[0].agreement == 1.0
+    assert summary[0].compared == 24 + 16
+    assert summary[0].legacy_p99_ms is not None and summary[0].pgreserve_p99_ms is not None
 
 
 async def test_http_api_serves_legacy_mode_behind_the_same_endpoints(

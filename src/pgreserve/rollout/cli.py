@@ -113,6 +113,30 @@ def rollout_plan(as_json: bool, database_url: str | None, data_dir: str | None) 
                    f"{_pct(r.agreement):>10}")
 
 
+@rollout.command("rehearse")
+@click.option("--legacy-redis-url", envvar="PGRESERVE_LEGACY_REDIS_URL", required=True,
+              help="redis:// URL of the legacy store (a scratch tenant's keys are written).")
+@click.option("--buyers", default=64, show_default=True, type=click.IntRange(1, 10_000))
+@click.option("--stock", default=40, show_default=True, type=click.IntRange(0, 1_000_000))
+@click.option("--seed", default=None, type=int, help="Seed of the buyers' claim-or-release.")
+@_db_options
+def rollout_rehearse(legacy_redis_url: str, buyers: int, stock: int, seed: int | None,
+                     database_url: str | None, data_dir: str | None) -> None:
+    """Run a shadow-mode sale on a new scratch tenant (BUYERS concurrent buyers of one SKU
+    with STOCK units in both stores) and print its comparison report."""
+    from .rehearsal import rehearse
+
+    async def go(db: Database) -> Any:
+        done = await rehearse(ReservationService(db), legacy_redis_url, buyers=buyers,
+                              stock=stock, seed=seed)
+        return done, await reports.report(db, done.tenant.id)
+
+    done, (summary, latest) = _with_db(database_url, data_dir, go)
+    click.echo(f"tenant {done.tenant.name}: {done.buyers} buyers, {done.held} held, "
+               f"{done.claimed} claimed in {done.seconds:.2f} s")
+    _print_report(summary, latest)
+
+
 @rollout.command("report")
 @click.option("--tenant", "tenant_name", default=None, help="Only this tenant.")
 @click.option("--limit", default=20, show_default=True, type=click.IntRange(0, 1000),
@@ -133,6 +157,11 @@ def rollout_report(tenant_name: str | None, limit: int, as_json: bool,
         click.echo(json.dumps({"tenants": [reports.as_json(r) for r in summary],
                                "disagreements": [reports.as_json(d) for d in latest]}))
         return
+    _print_report(summary, latest)
+
+
+def _print_report(summary: list[reports.TenantReport],
+                  latest: list[reports.Disagreement]) -> None:
     click.echo(f"{'tenant':<20} {'compared':>9} {'agreed':>9} {'agreement':>10} {'errors':>7} "
                f"{'legacy p50':>11} {'legacy p99':>11} {'pg p50':>9} {'pg p99':>9}  (ms)")
     for r in summary:

@@ -100,6 +100,21 @@ redis.call('ZREM', KEYS[3], ARGV[2])
 return outcome
 """
 
+# KEYS: hold, rec, deadlines; ARGV: id, ttl_ms, retention_ms
+_EXTEND = """
+local status = redis.call('HGET', KEYS[2], 'status')
+if not status then return 'missing' end
+if status ~= 'held' or redis.call('EXISTS', KEYS[1]) == 0 then return 'not_active' end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local expires = now + tonumber(ARGV[2])
+redis.call('SET', KEYS[1], '1', 'PX', ARGV[2])
+redis.call('HSET', KEYS[2], 'expires', expires)
+redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[2]) + tonumber(ARGV[3]))
+redis.call('ZADD', KEYS[3], expires, ARGV[1])
+return 'held'
+"""
+
 # KEYS: counter, held; ARGV: on_hand. The counter becomes on_hand minus the held units.
 _SET_STOCK = """
 local held = tonumber(redis.call('GET', KEYS[2]) or '0')
@@ -157,6 +172,7 @@ class RedisHoldStore:
         self._reserve = self.redis.register_script(_RESERVE)
         self._finish = self.redis.register_script(_FINISH)
         self._set_stock = self.redis.register_script(_SET_STOCK)
+        self._extend = self.redis.register_script(_EXTEND)
 
     async def aclose(self) -> None:
         await self.redis.aclose()
@@ -268,6 +284,20 @@ class RedisHoldStore:
         if outcome == "claimed":
             raise errors.ReservationClaimed(f"reservation {hold_id} was claimed")
         return await self._after(tenant, hold_id, replayed=record.status != "held")
+
+    async def extend(self, tenant: int, hold_id: str, ttl: timedelta) -> Reservation:
+        """A new time to live, counted from now, for a hold that is still live."""
+        await self._known(tenant, hold_id)
+        outcome = _text(await self._extend(
+            keys=[self.key(tenant, "hold", hold_id), self.key(tenant, "rec", hold_id),
+                  self.key(tenant, "deadlines")],
+            args=[hold_id, int(ttl.total_seconds() * 1000),
+                  int(RETENTION.total_seconds() * 1000)]))
+        if outcome == "missing":
+            raise errors.ReservationNotFound(f"unknown reservation {hold_id}")
+        if outcome != "held":
+            raise errors.ReservationNotActive(f"reservation {hold_id} is not active")
+        return await self._after(tenant, hold_id, replayed=False)
 
     async def expire_due(self, tenant: int, limit: int = 500) -> int:
         """Give back the units of holds whose key Redis has expired; return how many."""

@@ -35,7 +35,7 @@ from ..core.service import ReservationService, digest
 from ..db.database import Op
 from ..db.queries import queries
 from ..domain import DEFAULT_TTL, Line, Reservation, ReserveOutcome
-from ..errors import ReservationNotFound
+from ..errors import InvalidRequest, ReservationNotFound
 from .comparison import (
     Comparison,
     Recorder,
@@ -205,16 +205,25 @@ class Rollout:
         """Payment failed: the units go back, under the mode the hold was taken in."""
         return await self._finish("release", tenant, reservation_id, request_key)
 
+    async def extend(self, tenant: int, reservation_id: str | uuid.UUID,
+                     ttl: timedelta | float, *, request_key: str | None = None) -> Reservation:
+        """A new time to live for an active hold, in the store(s) of the mode it was taken in."""
+        return await self._finish("extend", tenant, reservation_id, request_key,
+                                  check.ttl(ttl))
+
     def _pg(self, action: str, tenant: int, reservation_id: str | uuid.UUID,
-            request_key: str | None) -> Awaitable[Reservation]:
+            request_key: str | None, ttl: timedelta | None = None) -> Awaitable[Reservation]:
+        if action == "extend":
+            return self.service.extend(tenant, reservation_id, _needed(ttl),
+                                       request_key=request_key)
         run = self.service.claim if action == "claim" else self.service.release
         return run(tenant, reservation_id, request_key=request_key)
 
     async def _finish(self, action: str, tenant: int, reservation_id: str | uuid.UUID,
-                      request_key: str | None) -> Reservation:
+                      request_key: str | None, ttl: timedelta | None = None) -> Reservation:
         entry = await self.modes.get(tenant)
         if not entry.redis_may_hold(utcnow()):
-            return await self._pg(action, tenant, reservation_id, request_key)
+            return await self._pg(action, tenant, reservation_id, request_key, ttl)
         tenant = check.tenant_id(tenant)
         try:
             record = await self.store.record(tenant, str(reservation_id))
@@ -223,76 +232,86 @@ class Rollout:
                 raise
             # Redis is the secondary store now: pgreserve answers without it
             self.metrics.secondary_failures.labels("legacy", action).inc()
-            return await self._pg(action, tenant, reservation_id, request_key)
+            return await self._pg(action, tenant, reservation_id, request_key, ttl)
         if record is None or record.mode == Mode.PGRESERVE.value:
-            return await self._pg(action, tenant, reservation_id, request_key)
+            return await self._pg(action, tenant, reservation_id, request_key, ttl)
         self.recorder.request(tenant)
         mode = Mode(record.mode)
         if mode is Mode.LEGACY:
-            return await self.legacy_finish(action, tenant, record)
+            return await self.legacy_finish(action, tenant, record, ttl=ttl)
         compared_key = request_key or record.id
         async with self.locks.hold(tenant, record.lines):
             if mode is Mode.SHADOW:
                 started = perf_counter()
                 try:
-                    legacy = await self.legacy_finish(action, tenant, record)
+                    legacy = await self.legacy_finish(action, tenant, record, ttl=ttl)
                 except Exception as exc:
                     legacy_ms = _ms(started)
-                    out, pg_ms = await self._pg_finish(action, tenant, record.pg_id, request_key)
+                    out, pg_ms = await self._pg_finish(action, tenant, record.pg_id, request_key,
+                                                       ttl)
                     self._compare(tenant, mode, action, compared_key, error_outcome(exc), out,
                                   legacy_ms, pg_ms)
                     raise
                 legacy_ms = _ms(started)
-                out, pg_ms = await self._pg_finish(action, tenant, record.pg_id, request_key)
+                out, pg_ms = await self._pg_finish(action, tenant, record.pg_id, request_key,
+                                                       ttl)
                 self._compare(tenant, mode, action, compared_key, transition_outcome(legacy),
                               out, legacy_ms, pg_ms)
                 return legacy
             started = perf_counter()
             try:
-                pg = await self._pg(action, tenant, reservation_id, request_key)
+                pg = await self._pg(action, tenant, reservation_id, request_key, ttl)
             except Exception as exc:
                 pg_ms = _ms(started)
-                legacy_out, legacy_ms = await self._legacy_secondary(action, tenant, record)
+                legacy_out, legacy_ms = await self._legacy_secondary(action, tenant, record,
+                                                                    ttl)
                 self._compare(tenant, mode, action, compared_key, legacy_out,
                               error_outcome(exc), legacy_ms, pg_ms)
                 raise
             pg_ms = _ms(started)
-            legacy_out, legacy_ms = await self._legacy_secondary(action, tenant, record)
+            legacy_out, legacy_ms = await self._legacy_secondary(action, tenant, record,
+                                                                    ttl)
             self._compare(tenant, mode, action, compared_key, legacy_out,
                           transition_outcome(pg), legacy_ms, pg_ms)
             return pg
 
     async def _pg_finish(self, action: str, tenant: int, pg_id: str | None,
-                         request_key: str | None) -> tuple[dict[str, Any], float]:
+                         request_key: str | None,
+                         ttl: timedelta | None) -> tuple[dict[str, Any], float]:
         started = perf_counter()
         try:
             if pg_id is None:
                 raise ReservationNotFound("pgreserve has no reservation beside this hold")
-            done = await self._pg(action, tenant, pg_id, request_key)
+            done = await self._pg(action, tenant, pg_id, request_key, ttl)
         except Exception as exc:  # noqa: BLE001 - the secondary side never fails the caller
             self.metrics.secondary_failures.labels("pgreserve", action).inc()
             return error_outcome(exc), _ms(started)
         return transition_outcome(done), _ms(started)
 
-    async def _legacy_secondary(self, action: str, tenant: int,
-                                record: HoldRecord) -> tuple[dict[str, Any], float]:
+    async def _legacy_secondary(self, action: str, tenant: int, record: HoldRecord,
+                                ttl: timedelta | None) -> tuple[dict[str, Any], float]:
         started = perf_counter()
         try:
-            run = self.store.claim if action == "claim" else self.store.release
-            done = await run(tenant, record.id)
+            done = await self.legacy_finish(action, tenant, record, ttl=ttl, ledger=False)
         except Exception as exc:  # noqa: BLE001 - the secondary side never fails the caller
             self.metrics.secondary_failures.labels("legacy", action).inc()
             return error_outcome(exc), _ms(started)
         return transition_outcome(done), _ms(started)
 
     async def legacy_finish(self, action: str, tenant: int, record: HoldRecord, *,
+                            ttl: timedelta | None = None, ledger: bool = True,
                             ledger_first: bool = False,
                             between: Callable[[], Awaitable[None]] | None = None) -> Reservation:
-        """The legacy design's claim or release: Redis, and for a claim the sale written
-        to the order ledger in a transaction of its own (after Redis, or before it with
-        `ledger_first`). `between` runs between the two writes."""
+        """The legacy design's claim, release or extend: Redis, and for a claim the sale
+        written to the order ledger in a transaction of its own (after Redis, or before it
+        with `ledger_first`; not when pgreserve keeps the ledger, `ledger=False`).
+        `between` runs between the two writes."""
+        if action == "extend":
+            return await self.store.extend(tenant, record.id, _needed(ttl))
         if action != "claim":
             return await self.store.release(tenant, record.id)
+        if not ledger:
+            return await self.store.claim(tenant, record.id)
         if ledger_first:
             await self._legacy_sale(tenant, record)
             if between is not None:
@@ -354,6 +373,12 @@ class Rollout:
 
 def _ms(started: float) -> float:
     return (perf_counter() - started) * 1000
+
+
+def _needed(ttl: timedelta | None) -> timedelta:
+    if ttl is None:
+        raise InvalidRequest("an extend needs a ttl", field="ttl")
+    return ttl
 
 
 def _rid(outcome: ReserveOutcome) -> str:

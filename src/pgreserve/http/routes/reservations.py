@@ -99,6 +99,6 @@ async def release(reservation_id: str, caller: Authenticated,
 async def extend(reservation_id: str, body: ExtendIn, caller: Authenticated,
                  idempotency_key: KeyHeader = None) -> Response:
     return await transition(
-        "extend", lambda key: caller.service.extend(caller.tenant, reservation_id,
+        "extend", lambda key: caller.holds.extend(caller.tenant, reservation_id,
                                                     body.ttl_seconds, request_key=key),
         caller, idempotency_key)

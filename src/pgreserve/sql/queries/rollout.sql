@@ -114,8 +114,3 @@ WITH saved AS (
     RETURNING 1
 )
 SELECT count(*) FROM saved;
-
--- name: rollout_legacy_sale_total
--- Units the legacy ledger says were sold of one bucket.
-SELECT coalesce(sum(quantity), 0) FROM rollout_legacy_sale
-WHERE tenant_id = %s AND sku = %s AND location = %s;
