@@ -427,16 +427,24 @@ async def test_rehearsal_runs_a_shadow_sale_on_a_scratch_tenant(
 async def test_http_api_serves_legacy_mode_behind_the_same_endpoints(
         rollout: Rollout, service: ReservationService, store: RedisHoldStore,
         db: Database) -> None:
-    """With the rollout layer, POST /v1/reservations and /claim of a tenant in legacy mode
-    are answered by Redis and write nothing to pgreserve's reservations."""
+    """With the rollout layer, PUT /v1/stock counts both stores, and POST /v1/reservations
+    and /claim of a tenant in legacy mode are answered by Redis and write no reservation
+    to pgreserve."""
     from pgreserve.http import create_app
 
     created, key = await service.create_tenant_with_key("shop")
-    await seed(service, store, created.id, "tee", 3)
     await set_mode(db, created.id, Mode.LEGACY, "test")
     app = create_app(database=db, rollout=rollout)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
                                  headers={"Authorization": f"Bearer {key}"}) as client:
+        counted = await client.put("/v1/stock/berlin/tee", json={"on_hand": 2})
+        assert counted.status_code == 200
+        received = await client.post("/v1/stock/berlin/tee/adjustments", json={"delta": 1},
+                                     headers={"Idempotency-Key": "receipt-1"})
+        again = await client.post("/v1/stock/berlin/tee/adjustments", json={"delta": 1},
+                                  headers={"Idempotency-Key": "receipt-1"})
+        assert received.status_code == again.status_code == 200
+        assert await store.available(created.id, "tee", "berlin") == 3
         made = await client.post("/v1/reservations", headers={"Idempotency-Key": "c-1"},
                                  json={"lines": [{"sku": "tee", "location": "berlin",
                                                   "quantity": 3}], "ttl_seconds": 60})

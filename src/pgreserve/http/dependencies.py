@@ -148,6 +148,12 @@ async def caller(request: Request, tenant: Annotated[int, Depends(tenant_id)]) -
     return Caller(tenant, svc, state.inflight, state.metrics, state.rollout or svc)
 
 
+async def holds_dependency(request: Request) -> ReservationService | Rollout:
+    """The rollout layer when a legacy store is configured, else the service."""
+    rollout: Rollout | None = request.app.state.rollout
+    return rollout or service(request)
+
+
 # The query parameters a route declares, found once and kept on the route.
 _DECLARED = "_pgreserve_query_params"
 
@@ -182,6 +188,7 @@ async def known_query_only(request: Request) -> None:
 # answered 503 when the pool is not open, so the order of checks is unchanged.
 Service = Annotated[ReservationService, Depends(service_dependency)]
 Tenant = Annotated[int, Depends(tenant_id)]
+Holds = Annotated[ReservationService | Rollout, Depends(holds_dependency)]
 Authenticated = Annotated[Caller, Depends(caller)]
 Keys = Annotated[InFlight, Depends(in_flight)]
 Metrics = Annotated[ApiMetrics, Depends(metrics_dependency)]

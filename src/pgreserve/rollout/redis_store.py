@@ -199,6 +199,10 @@ class RedisHoldStore:
             args=[on_hand])
         return int(available)
 
+    async def adjust_stock(self, tenant: int, sku: str, location: str, delta: int) -> int:
+        """A receipt (delta > 0) or correction (delta < 0) of the counter; return it."""
+        return int(await self.redis.incrby(self.counter_key(tenant, sku, location), delta))
+
     async def available(self, tenant: int, sku: str, location: str) -> int:
         value = await self.redis.get(self.counter_key(tenant, sku, location))
         return int(value or 0)

@@ -34,7 +34,7 @@ from .. import validation as check
 from ..core.service import ReservationService, digest
 from ..db.database import Op
 from ..db.queries import queries
-from ..domain import DEFAULT_TTL, Line, Reservation, ReserveOutcome
+from ..domain import DEFAULT_TTL, Line, Reservation, ReserveOutcome, StockView, Strategy
 from ..errors import InvalidRequest, ReservationNotFound
 from .comparison import (
     Comparison,
@@ -109,6 +109,40 @@ class Rollout:
                 await self._sweeper
         await self.recorder.aclose()
         await self.store.aclose()
+
+    # -- stock ---------------------------------------------------------------------
+
+    async def set_stock(self, tenant: int, sku: str, location: str, on_hand: int, *,
+                        strategy: Strategy | str | None = None, pool_cap: int | None = None,
+                        force: bool = False) -> StockView:
+        """Count a bucket in pgreserve and, while Redis is written, in Redis (its counter
+        becomes the count minus the units Redis holds)."""
+        view = await self.service.set_stock(tenant, sku, location, on_hand, strategy=strategy,
+                                            pool_cap=pool_cap, force=force)
+        mode = (await self.modes.get(tenant)).mode
+        if mode.writes_redis:
+            await self._stock_step(mode, self.store.set_stock(tenant, view.sku, view.location,
+                                                              view.on_hand), "set_stock")
+        return view
+
+    async def adjust_stock(self, tenant: int, request_key: str, sku: str, location: str,
+                           delta: int, *, reason: str = "", force: bool = False) -> StockView:
+        """A receipt or correction, once per request key in pgreserve; while Redis is
+        written, the first answer also moves the Redis counter by delta."""
+        view = await self.service.adjust_stock(tenant, request_key, sku, location, delta,
+                                               reason=reason, force=force)
+        mode = (await self.modes.get(tenant)).mode
+        if mode.writes_redis and not view.replayed:
+            await self._stock_step(mode, self.store.adjust_stock(tenant, view.sku,
+                                                                 view.location, delta),
+                                   "adjust_stock")
+        return view
+
+    async def _stock_step(self, mode: Mode, step: Awaitable[Any], operation: str) -> None:
+        if mode.answers_from_redis:
+            await step
+        else:
+            await self._secondary(step, "legacy", operation)
 
     # -- reserve -----------------------------------------------------------------
 
