@@ -268,6 +268,7 @@ async def test_flip_primary_to_legacy_mid_sale_keeps_every_unit_accounted(
     await asyncio.gather(*(buyer(i) for i in range(64)))
     assert claims["primary"] > 0 and claims["legacy"] > 0
     total = claims["primary"] + claims["legacy"]
+    assert total <= 50  # no unit sold twice across the two stores
     assert await store.available(tenant.id, "hot", "berlin") + \
         await store.held(tenant.id, "hot", "berlin") + total == 50
     assert await store.held(tenant.id, "hot", "berlin") == 0
@@ -455,6 +456,8 @@ async def test_http_api_serves_legacy_mode_behind_the_same_endpoints(
         assert short.status_code == 409
         done = await client.post(f"/v1/reservations/{made.json()['id']}/claim")
         assert done.status_code == 200 and done.json()["status"] == "claimed"
+        seen = await client.get(f"/v1/reservations/{made.json()['id']}")
+        assert seen.status_code == 200 and seen.json()["status"] == "claimed"
     rows = await db.fetch("SELECT count(*) FROM reservation WHERE tenant_id = %s", (created.id,))
     assert rows[0][0] == 0
     assert await store.available(created.id, "tee", "berlin") == 0

@@ -4,7 +4,8 @@
   `rollout_legacy_sale` after Redis dropped the hold, as the legacy design does).
 - `shadow`: Redis answers; pgreserve gets the same request (same request key).
 - `primary`: pgreserve answers; Redis gets the same request, so going back is one
-  command and Redis has every hold.
+  command and Redis has every hold (a cart Redis refuses is refused: see
+  `_reserve_primary`).
 - `pgreserve`: pgreserve only.
 
 A hold finishes under the mode it was taken in: the Redis record of a hold
@@ -225,6 +226,13 @@ class Rollout:
                       reserve_outcome(pg), _ms(started), pg_ms)
         if legacy.held and not pg.held and not legacy.replayed:
             await self._secondary(self.store.release(tenant, _rid(legacy)), "legacy", "release")
+        if pg.held and not legacy.held:
+            # Redis has every hold of every mode: a refusal means its units are held
+            # elsewhere (a process still in legacy during a switch). Selling anyway
+            # would sell them twice; the caller gets the refusal.
+            await self._secondary(self.service.release(tenant, _rid(pg)), "pgreserve",
+                                  "release")
+            return legacy
         return pg
 
     # -- claim and release ---------------------------------------------------------
@@ -238,6 +246,16 @@ class Rollout:
                       request_key: str | None = None) -> Reservation:
         """Payment failed: the units go back, under the mode the hold was taken in."""
         return await self._finish("release", tenant, reservation_id, request_key)
+
+    async def get_reservation(self, tenant: int,
+                              reservation_id: str | uuid.UUID) -> Reservation:
+        """A reservation as the store that answered for it sees it."""
+        entry = await self.modes.get(tenant)
+        if entry.redis_may_hold(utcnow()):
+            record = await self.store.record(check.tenant_id(tenant), str(reservation_id))
+            if record is not None and Mode(record.mode).answers_from_redis:
+                return record.reservation()
+        return await self.service.get_reservation(tenant, reservation_id)
 
     async def extend(self, tenant: int, reservation_id: str | uuid.UUID,
                      ttl: timedelta | float, *, request_key: str | None = None) -> Reservation:

@@ -11,7 +11,7 @@ from starlette.responses import Response
 from ... import errors
 from ...domain import Reservation, ReserveOutcome
 from .. import problems
-from ..dependencies import Authenticated, Caller, KeyHeader, Service, Tenant, request_key
+from ..dependencies import Authenticated, Caller, Holds, KeyHeader, Tenant, request_key
 from ..models import ExtendIn, ReservationOut, ReserveIn, reservation_doc
 from ..responses import COMMON, REPLAYED_HEADER, json_response
 
@@ -50,7 +50,7 @@ def reserve_response(outcome: ReserveOutcome) -> Response:
 
 @router.get("/v1/reservations/{reservation_id}", response_model=ReservationOut,
             responses=problems.responses(404, *COMMON))
-async def get_reservation(reservation_id: str, tenant: Tenant, svc: Service) -> Response:
+async def get_reservation(reservation_id: str, tenant: Tenant, svc: Holds) -> Response:
     found = await svc.get_reservation(tenant, reservation_id)
     return json_response(200, reservation_doc(found))
 
