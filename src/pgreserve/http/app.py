@@ -61,6 +61,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     state = app.state
     owned: OwnedPool | None = state.owned_pool
     if owned is None:  # the caller's Database: it opens and closes it
+        if state.rollout is not None:
+            state.rollout.start()  # the legacy holds' expiry sweep
         async with web.monitors(app, state.service.db.conninfo, state.metrics,
                                 enabled=state.monitor):
             yield
@@ -143,6 +145,9 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     if database is not None:
         state.owned_pool = None
         state.service = ReservationService(database, **options)
+        if rollout is None and legacy_redis_url is not None:
+            state.rollout = Rollout.from_url(state.service, legacy_redis_url,
+                                             registry=metrics.registry)
     else:
         assert dsn is not None
         state.owned_pool = OwnedPool(dsn, pool_size, pool_min_size, application_name,
