@@ -339,6 +339,27 @@ async def test_extend_moves_the_expiry_in_the_stores_of_the_holds_mode(
     assert latest == [] and summary[0].compared == 4
 
 
+async def test_a_redis_hold_is_not_extended_past_the_time_claims_look_in_redis(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """After a move to pgreserve, extending a hold taken in primary keeps it within the
+    24 hours its claims still look for it in Redis, in both stores."""
+    await seed(service, store, tenant.id, "a", 1)
+    await set_mode(db, tenant.id, Mode.PRIMARY, "test")
+    out = await rollout.reserve(tenant.id, "k", [("a", "berlin", 1)], ttl=60)
+    assert out.reservation is not None
+    await set_mode(db, tenant.id, Mode.PGRESERVE, "test")
+    until = (await rollout.modes.get(tenant.id)).redis_until
+    assert until is not None
+    await asyncio.sleep(1.1)
+    longer = await rollout.extend(tenant.id, out.reservation.id, 24 * 3600)
+    assert longer.expires_at <= until
+    record = await store.record(tenant.id, out.reservation.id)
+    assert record is not None and record.expires_at <= until
+    assert (await rollout.claim(tenant.id, out.reservation.id)).status is Status.CLAIMED
+    assert await store.held(tenant.id, "a", "berlin") == 0
+
+
 async def test_a_failing_secondary_store_never_fails_the_caller(
         service: ReservationService, tenant: Tenant, db: Database) -> None:
     """Primary mode with Redis stopped still answers from pgreserve; the failures are counted

@@ -35,7 +35,7 @@ from .. import validation as check
 from ..core.service import ReservationService, digest
 from ..db.database import Op
 from ..db.queries import queries
-from ..domain import DEFAULT_TTL, Line, Reservation, ReserveOutcome, StockView, Strategy
+from ..domain import DEFAULT_TTL, MIN_TTL, Line, Reservation, ReserveOutcome, StockView, Strategy
 from ..errors import InvalidRequest, ReservationNotFound
 from .comparison import (
     Comparison,
@@ -49,6 +49,8 @@ from .modes import DEFAULT_MODE_TTL_S, Mode, ModeBook, utcnow
 from .redis_store import HoldRecord, RedisHoldStore
 
 log = logging.getLogger(__name__)
+
+CLOCK_MARGIN = timedelta(seconds=5)
 
 OP_SALE = Op("rollout", "rollout_legacy_sale_record", "rollout/legacy-sale")
 OP_TENANTS = Op("sweeper", "rollout_redis_tenant_list", "worker/rollout-expiry")
@@ -176,7 +178,7 @@ class Rollout:
                                               mode=Mode.SHADOW.value)
         except Exception as exc:
             legacy_ms = _ms(started)
-            pg, pg_out, pg_ms = await self._pg_reserve(tenant, key, cart, life, "legacy")
+            pg, pg_out, pg_ms = await self._pg_reserve(tenant, key, cart, life)
             self._compare(tenant, Mode.SHADOW, "reserve", key, error_outcome(exc), pg_out,
                           legacy_ms, pg_ms)
             if pg is not None and pg.held and not pg.replayed:
@@ -184,7 +186,7 @@ class Rollout:
                                       "release")
             raise
         legacy_ms = _ms(started)
-        pg, pg_out, pg_ms = await self._pg_reserve(tenant, key, cart, life, "pgreserve")
+        pg, pg_out, pg_ms = await self._pg_reserve(tenant, key, cart, life)
         self._compare(tenant, Mode.SHADOW, "reserve", key, reserve_outcome(legacy), pg_out,
                       legacy_ms, pg_ms)
         if pg is not None and pg.held and not pg.replayed:
@@ -196,13 +198,13 @@ class Rollout:
                                       "release")
         return legacy
 
-    async def _pg_reserve(self, tenant: int, key: str, cart: list[Line], life: timedelta,
-                          side: str) -> tuple[ReserveOutcome | None, dict[str, Any], float]:
+    async def _pg_reserve(self, tenant: int, key: str, cart: list[Line],
+                          life: timedelta) -> tuple[ReserveOutcome | None, dict[str, Any], float]:
         started = perf_counter()
         try:
             pg = await self.service.reserve(tenant, key, cart, ttl=life)
         except Exception as exc:  # noqa: BLE001 - the secondary side never fails the caller
-            self.metrics.secondary_failures.labels(side, "reserve").inc()
+            self.metrics.secondary_failures.labels("pgreserve", "reserve").inc()
             return None, error_outcome(exc), _ms(started)
         return pg, reserve_outcome(pg), _ms(started)
 
@@ -289,6 +291,10 @@ class Rollout:
             return await self._pg(action, tenant, reservation_id, request_key, ttl)
         self.recorder.request(tenant)
         mode = Mode(record.mode)
+        if ttl is not None and entry.redis_until is not None:
+            # a Redis hold may not outlive the time its tenant's claims still look there
+            # (less a margin for the clocks of this host, the database and Redis)
+            ttl = max(MIN_TTL, min(ttl, entry.redis_until - utcnow() - CLOCK_MARGIN))
         if mode is Mode.LEGACY:
             return await self.legacy_finish(action, tenant, record, ttl=ttl)
         compared_key = request_key or record.id
