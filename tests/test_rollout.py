@@ -430,6 +430,10 @@ async def test_rollout_cli_sets_modes_with_who_and_plans_smallest_first(
     bad = await run(str(BIN), "rollout", "set", "big", "sideways", "--database-url",
                     db.conninfo, check=False)
     assert bad.returncode != 0 and "sideways" in bad.stderr
+    with pytest.raises(errors.UnknownTenant):
+        await set_mode(db, 10_000, Mode.SHADOW, "test")
+    with pytest.raises(errors.InvalidRequest):
+        await set_mode(db, big.id, "sideways", "test")
 
 
 async def test_rehearsal_runs_a_shadow_sale_on_a_scratch_tenant(

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import psycopg
+
 from .. import errors
 from ..db.database import Database, Op
 from ..db.queries import queries
@@ -94,11 +96,12 @@ async def set_mode(db: Database, tenant: int, mode: Mode | str, changed_by: str)
     changed_by = changed_by.strip()
     if not 1 <= len(changed_by) <= 200:
         raise errors.InvalidRequest("changed_by must be 1 to 200 characters", field="by")
-    rows = await db.fetch(queries["rollout_mode_set"],
-                          {"tenant": tenant, "mode": chosen.value, "by": changed_by},
-                          op=OP_MODE_SET)
-    if not rows:
-        raise errors.UnknownTenant(f"unknown tenant {tenant}")
+    try:
+        rows = await db.fetch(queries["rollout_mode_set"],
+                              {"tenant": tenant, "mode": chosen.value, "by": changed_by},
+                              op=OP_MODE_SET)
+    except psycopg.errors.ForeignKeyViolation:
+        raise errors.UnknownTenant(f"unknown tenant {tenant}") from None
     return Mode(rows[0][0])
 
 
