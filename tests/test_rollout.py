@@ -384,6 +384,31 @@ async def test_a_failing_secondary_store_never_fails_the_caller(
         await r.aclose()
 
 
+async def test_pgreserve_tenants_never_call_redis_and_read_their_mode_once_per_ttl(
+        service: ReservationService, tenant: Tenant, db: Database) -> None:
+    """A tenant in mode pgreserve is served with Redis down, and a process reads its mode
+    from the database at most once per TTL (a switch is seen when the TTL is over)."""
+    import redis
+
+    server = RedisServer().start()
+    r = Rollout(service, RedisHoldStore(server.url), mode_ttl_s=3600)
+    server.stop()
+    try:
+        await service.set_stock(tenant.id, "a", "x", 5)
+        out = await r.reserve(tenant.id, "k1", [("a", "x", 1)], ttl=60)
+        assert out.reservation is not None
+        assert (await r.claim(tenant.id, out.reservation.id)).status is Status.CLAIMED
+        await set_mode(db, tenant.id, Mode.LEGACY, "test")
+        cached = await r.reserve(tenant.id, "k2", [("a", "x", 1)], ttl=60)
+        assert cached.held  # still pgreserve: the mode is cached
+        r.modes.forget(tenant.id)
+        with pytest.raises(redis.ConnectionError):  # legacy now: Redis answers, and is down
+            await r.reserve(tenant.id, "k3", [("a", "x", 1)], ttl=60)
+        assert (await service.get_stock(tenant.id, "a", "x")).available == 3
+    finally:
+        await r.aclose()
+
+
 async def test_shadow_mode_pgreserve_failure_is_recorded_not_returned(
         rollout: Rollout, store: RedisHoldStore, tenant: Tenant, db: Database) -> None:
     """In shadow mode an error of pgreserve (a bucket it does not know) leaves Redis's answer
@@ -592,3 +617,67 @@ async def test_pgreserve_claim_is_one_transaction_with_no_crash_gap(
     view = await service.get_stock(tenant.id, "tee", "berlin")
     assert (view.on_hand, view.available) == (0, 0)
     assert await service.invariant_violations() == []
+
+
+def test_up_with_a_legacy_store_serves_a_legacy_tenant_from_redis(
+        redis_server: RedisServer) -> None:
+    """`pgreserve up` with PGRESERVE_LEGACY_REDIS_URL serves a tenant switched to legacy
+    from Redis (the switch seen without a restart) and gives expired Redis holds back."""
+    import shutil
+    import tempfile
+    import threading
+
+    from test_cli_up import free_port
+
+    root = Path(tempfile.mkdtemp(prefix="pgr-"))
+    data = str(root / "data")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PGRESERVE_")}
+    env["PGRESERVE_LEGACY_REDIS_URL"] = redis_server.url
+    proc = subprocess.Popen([str(BIN), "up", "--data-dir", data, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    up = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "Press Ctrl-C" in line:
+                up.set()
+
+    threading.Thread(target=read, daemon=True).start()
+
+    def cli(*args: str) -> str:
+        return subprocess.run([str(BIN), *args, "--data-dir", data], capture_output=True,
+                              text=True, env=env, timeout=120, check=True).stdout
+
+    try:
+        assert up.wait(120), "".join(lines)
+        key = json.loads(cli("tenant", "create", "shop", "--json"))["api_key"]
+        cli("rollout", "set", "shop", "legacy", "--by", "ops")
+        tenant_id = next(r["tenant_id"] for r in json.loads(cli("rollout", "status", "--json"))
+                         if r["tenant"] == "shop")
+        counter = RedisHoldStore(redis_server.url).counter_key(tenant_id, "tee", "wh")
+        redis = redis_server.client()
+        time.sleep(1.5)  # the API process reads a tenant's mode at most once a second
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
+                          headers={"Authorization": f"Bearer {key}"}) as client:
+            assert client.put("/v1/stock/wh/tee", json={"on_hand": 4}).status_code == 200
+            assert int(redis.get(counter) or 0) == 4
+            made = client.post("/v1/reservations", headers={"Idempotency-Key": "o-1"},
+                               json={"lines": [{"sku": "tee", "location": "wh", "quantity": 3}],
+                                     "ttl_seconds": 1})
+            assert made.status_code == 201
+            assert int(redis.get(counter) or 0) == 1
+            deadline = time.monotonic() + 30
+            while int(redis.get(counter) or 0) != 4 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert int(redis.get(counter) or 0) == 4  # the expired hold was given back
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(root, ignore_errors=True)
