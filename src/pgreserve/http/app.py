@@ -21,7 +21,9 @@ from fastapi import Depends, FastAPI
 from ..core.service import Clock, ReservationService
 from ..db.database import Database
 from ..ops import web
+from ..ops.pgbouncer import PgBouncerMonitor
 from ..rollout import Rollout
+from .admission import DEFAULT_REQUEST_DEADLINE_S, Admission, TenantLimit, check_deadline
 from .dependencies import ApiKeyCache, InFlight, known_query_only
 from .exception_handlers import EXCEPTION_HANDLERS
 from .metrics import ApiMetrics
@@ -60,22 +62,27 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Open the app's own pool (when it has one) and run the monitors (when asked)."""
     state = app.state
     owned: OwnedPool | None = state.owned_pool
-    if owned is None:  # the caller's Database: it opens and closes it
-        if state.rollout is not None:
-            state.rollout.start()  # the legacy holds' expiry sweep
-        async with web.monitors(app, state.service.db.conninfo, state.metrics,
-                                enabled=state.monitor):
-            yield
-        return
-    database = owned.database(state.metrics)
-    await database.open()
-    state.service = ReservationService(database, **state.service_options)
+    pgbouncer: PgBouncerMonitor | None = state.pgbouncer
     try:
-        async with web.monitors(app, database.conninfo, state.metrics, enabled=state.monitor), \
-                legacy_store(app):
-            yield
+        if owned is None:  # the caller's Database: it opens and closes it
+            if state.rollout is not None:
+                state.rollout.start()  # the legacy holds' expiry sweep
+            async with web.monitors(app, state.service.db.conninfo, state.metrics,
+                                    enabled=state.monitor):
+                yield
+            return
+        database = owned.database(state.metrics)
+        await database.open()
+        state.service = ReservationService(database, **state.service_options)
+        try:
+            async with web.monitors(app, database.conninfo, state.metrics,
+                                    enabled=state.monitor), legacy_store(app):
+                yield
+        finally:
+            await database.close()
     finally:
-        await database.close()
+        if pgbouncer is not None:
+            await pgbouncer.close()
 
 
 @asynccontextmanager
@@ -102,6 +109,9 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
                pool_min_size: int = 1, monitor: bool = False,
                prepare_threshold: int | None = 5,
                api_key_cache_s: float = DEFAULT_API_KEY_CACHE_S,
+               request_deadline_s: float = DEFAULT_REQUEST_DEADLINE_S,
+               tenant_max_in_flight: int = 0,
+               pgbouncer_admin_url: str | None = None,
                legacy_redis_url: str | None = None, rollout: Rollout | None = None) -> FastAPI:
     """The API over one database: pass a DSN (the app owns its pool) or an open Database.
 
@@ -110,10 +120,18 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     figures go to /metrics and /ops). `prepare_threshold=None` behind PgBouncer
     older than 1.21. `api_key_cache_s`: how long an accepted API key is
     trusted without asking the database again (a revoked key is refused within
-    that time; 0: ask every request). `legacy_redis_url` (an owned pool) or
-    `rollout` (an open Database): reserve, claim and release go through the
-    rollout layer beside the legacy Redis store (rollout/).
+    that time; 0: ask every request). `request_deadline_s`: every request's
+    deadline (the connection wait, statement_timeout and retries fit inside it;
+    past it: 503 busy). `tenant_max_in_flight`: at most this many requests of one
+    tenant at once in this process (429 beyond; 0: no limit).
+    `pgbouncer_admin_url`: PgBouncer's admin console, whose pool figures /metrics
+    then shows (ops/pgbouncer.py).
+    `legacy_redis_url` (an owned pool or an open Database) or `rollout`: reserve,
+    claim and release go through the rollout layer beside the legacy Redis store
+    (rollout/).
     """
+    check_deadline(request_deadline_s)
+    limit = TenantLimit(tenant_max_in_flight)
     if database is None and dsn is None:
         raise ValueError("create_app needs a dsn or a database")
     metrics = ApiMetrics()
@@ -142,6 +160,9 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     state.service_options = options
     state.legacy_redis_url = legacy_redis_url
     state.rollout = rollout
+    state.tenant_limit = limit
+    state.pgbouncer = (PgBouncerMonitor(pgbouncer_admin_url, metrics.registry)
+                       if pgbouncer_admin_url else None)
     if database is not None:
         state.owned_pool = None
         state.service = ReservationService(database, **options)
@@ -153,6 +174,7 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
         state.owned_pool = OwnedPool(dsn, pool_size, pool_min_size, application_name,
                                      prepare_threshold)
         state.service = None
+    app.add_middleware(Admission, deadline_s=request_deadline_s, limit=limit)
     app.add_middleware(CountRequests, metrics=metrics)
     app.add_middleware(BodyLimit, limit=body_limit)
     return app
@@ -170,4 +192,15 @@ def app_from_env() -> FastAPI:
                       int(threshold),
                       api_key_cache_s=float(os.environ.get("PGRESERVE_API_KEY_CACHE_SECONDS",
                                                            DEFAULT_API_KEY_CACHE_S)),
-                      legacy_redis_url=os.environ.get("PGRESERVE_LEGACY_REDIS_URL") or None)
+                      legacy_redis_url=os.environ.get("PGRESERVE_LEGACY_REDIS_URL") or None,
+                      **admission_from_env())
+
+
+def admission_from_env() -> dict[str, Any]:
+    """create_app's admission options from PGRESERVE_REQUEST_DEADLINE_SECONDS,
+    PGRESERVE_TENANT_MAX_IN_FLIGHT and PGRESERVE_PGBOUNCER_ADMIN_URL."""
+    env = os.environ
+    return {"request_deadline_s": float(env.get("PGRESERVE_REQUEST_DEADLINE_SECONDS",
+                                                DEFAULT_REQUEST_DEADLINE_S)),
+            "tenant_max_in_flight": int(env.get("PGRESERVE_TENANT_MAX_IN_FLIGHT", "0")),
+            "pgbouncer_admin_url": env.get("PGRESERVE_PGBOUNCER_ADMIN_URL") or None}
