@@ -21,14 +21,16 @@ Every key starts with `<namespace>:t<tenant>:`; names are percent-encoded so a
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 from urllib.parse import quote
 
+import redis
 import redis.asyncio as aioredis
 
 from .. import errors
@@ -36,6 +38,30 @@ from ..domain import Line, Reservation, ReserveOutcome, ShortLine, Status
 
 # Kept after a hold ends, so a repeated claim or release answers the same.
 RETENTION = timedelta(hours=24)
+
+# A Redis that does not answer within this fails the call (OutcomeUnknown): in the
+# modes where Redis is the secondary store the caller never waits longer for it.
+DEFAULT_TIMEOUT_S = 1.0
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def _answered(f: Callable[Concatenate[RedisHoldStore, P], Coroutine[Any, Any, T]],
+              ) -> Callable[Concatenate[RedisHoldStore, P], Coroutine[Any, Any, T]]:
+    """A lost or silent Redis is OutcomeUnknown (503, retryable): a write may have been
+    applied, and a retry with the same request key replays it or applies it once."""
+
+    @functools.wraps(f)
+    async def call(store: RedisHoldStore, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return await f(store, *args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise errors.OutcomeUnknown(
+                f"the legacy Redis store did not answer ({type(exc).__name__}); "
+                "retry with the same request key") from exc
+
+    return call
 
 # KEYS: req, hold, rec, deadlines, counters[n], helds[n]
 # ARGV: n, id, ttl_ms, lines_json, mode, retention_ms, fingerprint, pg_id, quantities[n]
@@ -162,13 +188,15 @@ def _text(value: bytes | str) -> str:
 class RedisHoldStore:
     """The legacy reserve / claim / release / expiry design against one Redis server."""
 
-    def __init__(self, url: str, *, namespace: str = "pgreserve") -> None:
+    def __init__(self, url: str, *, namespace: str = "pgreserve",
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         if any(c in namespace for c in ": \n"):
             raise errors.InvalidRequest("namespace may not contain ':', spaces or newlines",
                                         field="namespace")
         self.url = url
         self.namespace = namespace
-        self.redis: aioredis.Redis = aioredis.Redis.from_url(url)
+        self.redis: aioredis.Redis = aioredis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._reserve = self.redis.register_script(_RESERVE)
         self._finish = self.redis.register_script(_FINISH)
         self._set_stock = self.redis.register_script(_SET_STOCK)
@@ -192,6 +220,7 @@ class RedisHoldStore:
 
     # -- stock -----------------------------------------------------------------
 
+    @_answered
     async def set_stock(self, tenant: int, sku: str, location: str, on_hand: int) -> int:
         """Count a bucket: the counter becomes on_hand minus its held units; return it."""
         available = await self._set_stock(
@@ -199,20 +228,24 @@ class RedisHoldStore:
             args=[on_hand])
         return int(available)
 
+    @_answered
     async def adjust_stock(self, tenant: int, sku: str, location: str, delta: int) -> int:
         """A receipt (delta > 0) or correction (delta < 0) of the counter; return it."""
         return int(await self.redis.incrby(self.counter_key(tenant, sku, location), delta))
 
+    @_answered
     async def available(self, tenant: int, sku: str, location: str) -> int:
         value = await self.redis.get(self.counter_key(tenant, sku, location))
         return int(value or 0)
 
+    @_answered
     async def held(self, tenant: int, sku: str, location: str) -> int:
         value = await self.redis.get(self.held_key(tenant, sku, location))
         return int(value or 0)
 
     # -- holds -----------------------------------------------------------------
 
+    @_answered
     async def reserve(self, tenant: int, request_key: str, fingerprint: str,
                       cart: Sequence[Line], ttl: timedelta, *, mode: str = "legacy",
                       hold_id: str | None = None, pg_id: str | None = None) -> ReserveOutcome:
@@ -243,6 +276,7 @@ class RedisHoldStore:
                                 int(have)) for i, want, have in doc["short"])
         return ReserveOutcome(False, None, short, replayed)
 
+    @_answered
     async def record(self, tenant: int, hold_id: str) -> HoldRecord | None:
         """The hold as Redis keeps it, or None (never taken here, or ended over a day ago)."""
         raw = cast(dict[bytes, bytes],
@@ -257,10 +291,12 @@ class RedisHoldStore:
         return HoldRecord(hold_id, doc["mode"], doc["status"], lines, created, expires,
                           _ms(doc.get("ended")), doc.get("pg") or None)
 
+    @_answered
     async def link(self, tenant: int, hold_id: str, pg_id: str) -> None:
         """Note the pgreserve reservation that mirrors a legacy hold."""
         await self.redis.hset(self.key(tenant, "rec", hold_id), "pg", pg_id)
 
+    @_answered
     async def finish(self, tenant: int, record: HoldRecord, action: str) -> str:
         """Claim, release or expire one hold (action); return its status afterwards."""
         keys = [self.key(tenant, "hold", record.id), self.key(tenant, "rec", record.id),
@@ -271,6 +307,7 @@ class RedisHoldStore:
                            *(x.quantity for x in record.lines)]
         return _text(await self._finish(keys=keys, args=args))
 
+    @_answered
     async def claim(self, tenant: int, hold_id: str) -> Reservation:
         """Remove the hold for good (the units are sold); repeating it changes nothing."""
         record = await self._known(tenant, hold_id)
@@ -281,6 +318,7 @@ class RedisHoldStore:
             raise errors.ReservationExpired(f"reservation {hold_id} expired")
         return await self._after(tenant, hold_id, replayed=record.status != "held")
 
+    @_answered
     async def release(self, tenant: int, hold_id: str) -> Reservation:
         """Give the units back once; repeating it, or releasing an expired hold, changes nothing."""
         record = await self._known(tenant, hold_id)
@@ -289,6 +327,7 @@ class RedisHoldStore:
             raise errors.ReservationClaimed(f"reservation {hold_id} was claimed")
         return await self._after(tenant, hold_id, replayed=record.status != "held")
 
+    @_answered
     async def extend(self, tenant: int, hold_id: str, ttl: timedelta) -> Reservation:
         """A new time to live, counted from now, for a hold that is still live."""
         await self._known(tenant, hold_id)
@@ -303,6 +342,7 @@ class RedisHoldStore:
             raise errors.ReservationNotActive(f"reservation {hold_id} is not active")
         return await self._after(tenant, hold_id, replayed=False)
 
+    @_answered
     async def expire_due(self, tenant: int, limit: int = 500) -> int:
         """Give back the units of holds whose key Redis has expired; return how many."""
         now_s, now_us = await self.redis.time()
