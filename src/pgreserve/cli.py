@@ -97,11 +97,18 @@ def with_http(f: Any) -> Any:
     return f
 
 
+legacy_option = click.option(
+    "--legacy-redis-url", envvar="PGRESERVE_LEGACY_REDIS_URL", default=None,
+    help="redis:// URL of the legacy hold store to roll out beside (see `pgreserve rollout`).")
+
+
 def _api_options(request_deadline_seconds: float, tenant_max_in_flight: int,
-                 pgbouncer_admin_url: str | None) -> dict[str, Any]:
+                 pgbouncer_admin_url: str | None,
+                 legacy_redis_url: str | None = None) -> dict[str, Any]:
     return {"request_deadline_s": request_deadline_seconds,
             "tenant_max_in_flight": tenant_max_in_flight,
-            "pgbouncer_admin_url": pgbouncer_admin_url}
+            "pgbouncer_admin_url": pgbouncer_admin_url,
+            "legacy_redis_url": legacy_redis_url}
 
 
 @dataclass(frozen=True)
@@ -353,10 +360,12 @@ def worker(database_url: str | None, data_dir: str | None, key_retention_hours: 
 @with_db
 @with_http
 @retention_option
+@legacy_option
 def up(database_url: str | None, data_dir: str | None, host: str, port: int, ops_host: str,
        ops_port: int, ops_enabled: bool, log_format: str, request_log: bool,
        request_deadline_seconds: float, tenant_max_in_flight: int,
-       pgbouncer_admin_url: str | None, key_retention_hours: float) -> None:
+       pgbouncer_admin_url: str | None, key_retention_hours: float,
+       legacy_redis_url: str | None) -> None:
     """Start everything: the database (embedded unless a URL is given), migrated, the HTTP API,
     the ops listener and the workers, in one process."""
     serving = _serving(ops_host, ops_port, ops_enabled, log_format, request_log)
@@ -369,7 +378,7 @@ def up(database_url: str | None, data_dir: str | None, host: str, port: int, ops
         run(_run(dsn, http=(host, port), workers=True, serving=serving,
                  key_retention_hours=key_retention_hours, announce=True,
                  api_options=_api_options(request_deadline_seconds, tenant_max_in_flight,
-                                          pgbouncer_admin_url)))
+                                          pgbouncer_admin_url, legacy_redis_url)))
     console.print("pgreserve stopped cleanly")
 
 
@@ -378,17 +387,19 @@ def up(database_url: str | None, data_dir: str | None, host: str, port: int, ops
 @with_http
 @click.option("--workers", "processes", default=1, show_default=True,
               type=click.IntRange(1, 64), help="HTTP server processes.")
+@legacy_option
 def serve(database_url: str | None, data_dir: str | None, host: str, port: int, ops_host: str,
           ops_port: int, ops_enabled: bool, log_format: str, request_log: bool,
           request_deadline_seconds: float, tenant_max_in_flight: int,
-          pgbouncer_admin_url: str | None, processes: int) -> None:
+          pgbouncer_admin_url: str | None, processes: int,
+          legacy_redis_url: str | None) -> None:
     """Run the HTTP API and the ops listener (run `pgreserve worker` beside them).
 
     With --workers N the API runs in N processes and the ops listener in the
     parent process, which aggregates the workers' metrics."""
     serving = _serving(ops_host, ops_port, ops_enabled, log_format, request_log)
     api_options = _api_options(request_deadline_seconds, tenant_max_in_flight,
-                               pgbouncer_admin_url)
+                               pgbouncer_admin_url, legacy_redis_url)
     with _dsn(database_url, data_dir) as dsn:
         migrations.migrate(dsn)
         if processes == 1:
@@ -405,6 +416,8 @@ def serve(database_url: str | None, data_dir: str | None, host: str, port: int, 
             os.environ["PGRESERVE_TENANT_MAX_IN_FLIGHT"] = str(tenant_max_in_flight)
             if pgbouncer_admin_url:
                 os.environ["PGRESERVE_PGBOUNCER_ADMIN_URL"] = pgbouncer_admin_url
+            if legacy_redis_url:
+                os.environ["PGRESERVE_LEGACY_REDIS_URL"] = legacy_redis_url
             # The worker processes build their app from the environment.
             os.environ["PGRESERVE_LOG_FORMAT"] = log_format
             os.environ["PGRESERVE_REQUEST_LOG"] = "1" if request_log else "0"
@@ -779,8 +792,10 @@ def ops_bloat(database_url: str | None, data_dir: str | None, as_json: bool) -> 
 
 
 from .bench.cli import bench  # noqa: E402  (the bench group imports the core, not the CLI)
+from .rollout.cli import rollout  # noqa: E402  (like bench: a group of its own module)
 
 main.add_command(bench)
+main.add_command(rollout)
 
 
 def _dsn(database_url: str | None, data_dir: str | None) -> Any:

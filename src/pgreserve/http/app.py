@@ -24,6 +24,7 @@ from ..core.service import Clock, ReservationService
 from ..db.database import Database
 from ..ops import web
 from ..ops.pgbouncer import PgBouncerMonitor
+from ..rollout import Rollout
 from .admission import DEFAULT_REQUEST_DEADLINE_S, Admission, TenantLimit, check_deadline
 from .dependencies import ApiKeyCache, InFlight, known_query_only
 from .exception_handlers import EXCEPTION_HANDLERS
@@ -98,6 +99,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     pgbouncer: PgBouncerMonitor | None = state.pgbouncer
     try:
         if owned is None:  # the caller's Database: it opens and closes it
+            if state.rollout is not None:
+                state.rollout.start()  # the legacy holds' expiry sweep
             async with _background(app, state.service.db.conninfo):
                 yield
             return
@@ -105,13 +108,31 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await database.open()
         state.service = ReservationService(database, **state.service_options)
         try:
-            async with _background(app, database.conninfo):
+            async with _background(app, database.conninfo), legacy_store(app):
                 yield
         finally:
             await database.close()
     finally:
         if pgbouncer is not None:
             await pgbouncer.close()
+
+
+@asynccontextmanager
+async def legacy_store(app: FastAPI) -> AsyncIterator[None]:
+    """With a legacy Redis store configured, the rollout layer (and its expiry sweep)
+    serves reserve, claim and release by each tenant's mode."""
+    url: str | None = app.state.legacy_redis_url
+    if url is None:
+        yield
+        return
+    rollout = Rollout.from_url(app.state.service, url, registry=app.state.metrics.registry)
+    rollout.start()
+    app.state.rollout = rollout
+    try:
+        yield
+    finally:
+        app.state.rollout = None
+        await rollout.aclose()
 
 
 def create_app(dsn: str | None = None, *, database: Database | None = None,
@@ -124,7 +145,8 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
                tenant_max_in_flight: int = 0,
                pgbouncer_admin_url: str | None = None,
                request_log: RequestLog | None = None,
-               allow_private_webhooks: bool | None = None) -> FastAPI:
+               allow_private_webhooks: bool | None = None,
+               legacy_redis_url: str | None = None, rollout: Rollout | None = None) -> FastAPI:
     """The API over one database: pass a DSN (the app owns its pool) or an open Database.
 
     `clock` replaces the database clock (tests move time by hand). `monitor`
@@ -143,6 +165,9 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     /ops) are not part of this app: see ops_app.create_ops_app.
     `allow_private_webhooks`: accept webhook URLs on loopback and private
     addresses (default: PGRESERVE_WEBHOOK_ALLOW_PRIVATE).
+    `legacy_redis_url` (an owned pool or an open Database) or `rollout`: reserve,
+    claim and release go through the rollout layer beside the legacy Redis store
+    (rollout/).
     """
     check_deadline(request_deadline_s)
     limit = TenantLimit(tenant_max_in_flight)
@@ -175,12 +200,17 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     state.monitor = monitor
     state.request_log = request_log
     state.service_options = options
+    state.legacy_redis_url = legacy_redis_url
+    state.rollout = rollout
     state.tenant_limit = limit
     state.pgbouncer = (PgBouncerMonitor(pgbouncer_admin_url, metrics.registry)
                        if pgbouncer_admin_url else None)
     if database is not None:
         state.owned_pool = None
         state.service = ReservationService(database, **options)
+        if rollout is None and legacy_redis_url is not None:
+            state.rollout = Rollout.from_url(state.service, legacy_redis_url,
+                                             registry=metrics.registry)
     else:
         assert dsn is not None
         state.owned_pool = OwnedPool(dsn, pool_size, pool_min_size, application_name,
@@ -206,7 +236,9 @@ def app_from_env() -> FastAPI:
                       int(threshold),
                       api_key_cache_s=float(os.environ.get("PGRESERVE_API_KEY_CACHE_SECONDS",
                                                            DEFAULT_API_KEY_CACHE_S)),
-                      request_log=request_log_from_env(), **admission_from_env())
+                      request_log=request_log_from_env(),
+                      legacy_redis_url=os.environ.get("PGRESERVE_LEGACY_REDIS_URL") or None,
+                      **admission_from_env())
 
 
 def admission_from_env() -> dict[str, Any]:

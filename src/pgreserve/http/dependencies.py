@@ -19,6 +19,7 @@ from fastapi.routing import APIRoute
 from .. import apikeys, errors
 from .. import validation as check
 from ..core.service import ReservationService
+from ..rollout import Rollout
 from . import admission, problems
 from .metrics import ApiMetrics
 from .middleware import TENANT_KEY
@@ -143,11 +144,20 @@ class Caller:
     service: ReservationService
     keys: InFlight
     metrics: ApiMetrics
+    # reserve, claim and release: the rollout layer when a legacy store is configured
+    holds: ReservationService | Rollout
 
 
 async def caller(request: Request, tenant: Annotated[int, Depends(tenant_id)]) -> Caller:
     state = request.app.state
-    return Caller(tenant, service(request), state.inflight, state.metrics)
+    svc = service(request)
+    return Caller(tenant, svc, state.inflight, state.metrics, state.rollout or svc)
+
+
+async def holds_dependency(request: Request) -> ReservationService | Rollout:
+    """The rollout layer when a legacy store is configured, else the service."""
+    rollout: Rollout | None = request.app.state.rollout
+    return rollout or service(request)
 
 
 # The query parameters a route declares, found once and kept on the route.
@@ -184,6 +194,7 @@ async def known_query_only(request: Request) -> None:
 # answered 503 when the pool is not open, so the order of checks is unchanged.
 Service = Annotated[ReservationService, Depends(service_dependency)]
 Tenant = Annotated[int, Depends(tenant_id)]
+Holds = Annotated[ReservationService | Rollout, Depends(holds_dependency)]
 Authenticated = Annotated[Caller, Depends(caller)]
 Keys = Annotated[InFlight, Depends(in_flight)]
 Metrics = Annotated[ApiMetrics, Depends(metrics_dependency)]

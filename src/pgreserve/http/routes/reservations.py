@@ -11,7 +11,7 @@ from starlette.responses import Response
 from ... import errors
 from ...domain import Reservation, ReserveOutcome
 from .. import problems
-from ..dependencies import Authenticated, Caller, KeyHeader, Service, Tenant, request_key
+from ..dependencies import Authenticated, Caller, Holds, KeyHeader, Tenant, request_key
 from ..models import ExtendIn, ReservationOut, ReserveIn, reservation_doc
 from ..responses import COMMON, REPLAYED_HEADER, json_response
 
@@ -27,7 +27,7 @@ async def reserve(body: ReserveIn, caller: Authenticated,
     assert key is not None
     tenant = caller.tenant
     async with caller.keys.hold(tenant, key):
-        outcome = await caller.service.reserve(
+        outcome = await caller.holds.reserve(
             tenant, key, [(x.sku, x.location, x.quantity) for x in body.lines],
             ttl=body.ttl_seconds)
     caller.metrics.http_reserve_outcomes.labels("held" if outcome.held else "rejected",
@@ -60,7 +60,7 @@ def reserve_response(outcome: ReserveOutcome) -> Response:
 
 @router.get("/v1/reservations/{reservation_id}", response_model=ReservationOut,
             responses=problems.responses(404, *COMMON))
-async def get_reservation(reservation_id: str, tenant: Tenant, svc: Service) -> Response:
+async def get_reservation(reservation_id: str, tenant: Tenant, svc: Holds) -> Response:
     found = await svc.get_reservation(tenant, reservation_id)
     return json_response(200, reservation_doc(found))
 
@@ -88,7 +88,7 @@ async def transition(operation: str, run: Callable[[str | None], Awaitable[Reser
 async def claim(reservation_id: str, caller: Authenticated,
                 idempotency_key: KeyHeader = None) -> Response:
     return await transition(
-        "claim", lambda key: caller.service.claim(caller.tenant, reservation_id, request_key=key),
+        "claim", lambda key: caller.holds.claim(caller.tenant, reservation_id, request_key=key),
         caller, idempotency_key)
 
 
@@ -98,7 +98,7 @@ async def claim(reservation_id: str, caller: Authenticated,
 async def release(reservation_id: str, caller: Authenticated,
                   idempotency_key: KeyHeader = None) -> Response:
     return await transition(
-        "release", lambda key: caller.service.release(caller.tenant, reservation_id,
+        "release", lambda key: caller.holds.release(caller.tenant, reservation_id,
                                                       request_key=key),
         caller, idempotency_key)
 
@@ -109,6 +109,6 @@ async def release(reservation_id: str, caller: Authenticated,
 async def extend(reservation_id: str, body: ExtendIn, caller: Authenticated,
                  idempotency_key: KeyHeader = None) -> Response:
     return await transition(
-        "extend", lambda key: caller.service.extend(caller.tenant, reservation_id,
+        "extend", lambda key: caller.holds.extend(caller.tenant, reservation_id,
                                                     body.ttl_seconds, request_key=key),
         caller, idempotency_key)

@@ -6,7 +6,16 @@ from fastapi import APIRouter
 from starlette.responses import Response
 
 from .. import problems
-from ..dependencies import KeyHeader, Keys, PathName, Service, Tenant, request_key, stored_name
+from ..dependencies import (
+    Holds,
+    KeyHeader,
+    Keys,
+    PathName,
+    Service,
+    Tenant,
+    request_key,
+    stored_name,
+)
 from ..models import StockAdjust, StockOut, StockSet, stock_doc
 from ..responses import COMMON, json_response
 
@@ -17,7 +26,7 @@ router = APIRouter(tags=["stock"])
             responses=problems.responses(*COMMON, 413),
             summary="Set the on-hand count of a SKU at a location (creates it)")
 async def put_stock(location: PathName, sku: PathName, body: StockSet, tenant: Tenant,
-                    svc: Service) -> Response:
+                    svc: Holds) -> Response:
     view = await svc.set_stock(tenant, stored_name(sku, "sku"),
                                stored_name(location, "location"), body.on_hand,
                                strategy=body.strategy)
@@ -28,7 +37,7 @@ async def put_stock(location: PathName, sku: PathName, body: StockSet, tenant: T
              responses=problems.responses(400, 404, 409, 413, *COMMON),
              summary="Receipt (delta > 0) or correction (delta < 0)")
 async def adjust_stock(location: PathName, sku: PathName, body: StockAdjust, tenant: Tenant,
-                       svc: Service, keys: Keys, idempotency_key: KeyHeader = None) -> Response:
+                       svc: Holds, keys: Keys, idempotency_key: KeyHeader = None) -> Response:
     key = request_key(idempotency_key, required=True)
     assert key is not None
     async with keys.hold(tenant, key):

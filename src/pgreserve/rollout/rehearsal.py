@@ -1,0 +1,60 @@
+"""A shadow-mode sale on a scratch tenant: the comparison, seen before a real tenant moves."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+import time
+from dataclasses import dataclass
+
+from ..core.service import ReservationService
+from ..domain import Tenant
+from .modes import Mode, set_mode
+from .redis_store import RedisHoldStore
+from .router import Rollout
+
+
+@dataclass(frozen=True)
+class Rehearsal:
+    tenant: Tenant
+    buyers: int
+    held: int
+    claimed: int
+    seconds: float
+
+
+async def rehearse(service: ReservationService, redis_url: str, *, buyers: int = 64,
+                   stock: int = 40, claim: float = 0.9, seed: int | None = None) -> Rehearsal:
+    """`buyers` concurrent buyers of one SKU (`stock` units in both stores) on a new tenant
+    in shadow mode: each holds one unit, then claims it (probability `claim`) or releases it."""
+    rng = random.Random(seed)  # noqa: S311 - a simulated buyer's choice, not a secret
+    tenant = await service.create_tenant(f"rehearsal-{secrets.token_hex(3)}")
+    rollout = Rollout(service, RedisHoldStore(redis_url), mode_ttl_s=0)
+    held = claimed = 0
+    try:
+        await service.set_stock(tenant.id, "hot", "rehearsal", stock)
+        await rollout.store.set_stock(tenant.id, "hot", "rehearsal", stock)
+        await set_mode(service.db, tenant.id, Mode.SHADOW, "rehearsal")
+        choices = [rng.random() < claim for _ in range(buyers)]
+
+        async def buyer(i: int) -> None:
+            nonlocal held, claimed
+            out = await rollout.reserve(tenant.id, f"buyer-{i}", [("hot", "rehearsal", 1)],
+                                        ttl=60)
+            if out.reservation is None:
+                return
+            held += 1
+            if choices[i]:
+                await rollout.claim(tenant.id, out.reservation.id)
+                claimed += 1
+            else:
+                await rollout.release(tenant.id, out.reservation.id)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(buyer(i) for i in range(buyers)))
+        seconds = time.perf_counter() - started
+        await rollout.recorder.flush()
+    finally:
+        await rollout.aclose()
+    return Rehearsal(tenant, buyers, held, claimed, seconds)

@@ -1,0 +1,447 @@
+"""Every reserve, claim and release of a tenant, sent to the store(s) its mode names.
+
+- `legacy`: Redis answers; pgreserve is not written (a claim's sale goes to
+  `rollout_legacy_sale` after Redis dropped the hold, as the legacy design does).
+- `shadow`: Redis answers; pgreserve gets the same request (same request key).
+- `primary`: pgreserve answers; Redis gets the same request, so going back is one
+  command and Redis has every hold (a cart Redis refuses is refused: see
+  `_reserve_primary`).
+- `pgreserve`: pgreserve only.
+
+A hold finishes under the mode it was taken in: the Redis record of a hold
+says its mode, and a hold Redis never saw is pgreserve's. In the two modes that
+write both stores, the store that did not answer never fails the caller: its
+failure is counted and recorded as a disagreement. Both stores see each
+bucket's requests in the same order (per process), so a sale's last units go
+to the same buyers in both; and when they still answer differently, the
+hold the caller was not told about is released at once, so neither store keeps
+a hold nobody will claim.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from datetime import timedelta
+from time import perf_counter
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from .. import validation as check
+from ..core.service import ReservationService, digest
+from ..db.database import Op
+from ..db.queries import queries
+from ..domain import DEFAULT_TTL, MIN_TTL, Line, Reservation, ReserveOutcome, StockView, Strategy
+from ..errors import InvalidRequest, ReservationNotFound
+from .comparison import (
+    Comparison,
+    Recorder,
+    RolloutMetrics,
+    error_outcome,
+    reserve_outcome,
+    transition_outcome,
+)
+from .modes import DEFAULT_MODE_TTL_S, Mode, ModeBook, utcnow
+from .redis_store import HoldRecord, RedisHoldStore
+
+log = logging.getLogger(__name__)
+
+CLOCK_MARGIN = timedelta(seconds=5)
+
+OP_SALE = Op("rollout", "rollout_legacy_sale_record", "rollout/legacy-sale")
+OP_TENANTS = Op("sweeper", "rollout_redis_tenant_list", "worker/rollout-expiry")
+
+
+class BucketLocks:
+    """Per-process order of each bucket's requests in the two dual-write modes."""
+
+    def __init__(self) -> None:
+        self._locks: dict[tuple[int, str, str], tuple[asyncio.Lock, int]] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, tenant: int, cart: Sequence[Line]) -> AsyncIterator[None]:
+        keys = sorted({(tenant, x.sku, x.location) for x in cart})  # one order: no deadlock
+        taken: list[tuple[int, str, str]] = []
+        try:
+            for k in keys:
+                lock, users = self._locks.get(k) or (asyncio.Lock(), 0)
+                self._locks[k] = (lock, users + 1)
+                taken.append(k)
+                await lock.acquire()
+            yield
+        finally:
+            for k in reversed(taken):
+                lock, users = self._locks[k]
+                if lock.locked():
+                    lock.release()
+                if users <= 1:
+                    del self._locks[k]
+                else:
+                    self._locks[k] = (lock, users - 1)
+
+
+class Rollout:
+    """reserve / claim / release with ReservationService's signatures, routed by mode."""
+
+    def __init__(self, service: ReservationService, store: RedisHoldStore, *,
+                 mode_ttl_s: float = DEFAULT_MODE_TTL_S,
+                 registry: CollectorRegistry | None = None,
+                 flush_every_s: float = 0.5) -> None:
+        self.service = service
+        self.store = store
+        self.modes = ModeBook(service.db, mode_ttl_s)
+        self.metrics = RolloutMetrics(registry)
+        self.recorder = Recorder(service.db, self.metrics, flush_every_s=flush_every_s)
+        self.locks = BucketLocks()
+        self._sweeper: asyncio.Task[None] | None = None
+
+    @classmethod
+    def from_url(cls, service: ReservationService, url: str, *,
+                 registry: CollectorRegistry | None = None) -> Rollout:
+        """The rollout layer over the legacy store at a redis:// URL."""
+        return cls(service, RedisHoldStore(url), registry=registry)
+
+    async def aclose(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        await self.recorder.aclose()
+        await self.store.aclose()
+
+    # -- stock ---------------------------------------------------------------------
+
+    async def set_stock(self, tenant: int, sku: str, location: str, on_hand: int, *,
+                        strategy: Strategy | str | None = None, pool_cap: int | None = None,
+                        force: bool = False) -> StockView:
+        """Count a bucket in pgreserve and, while Redis is written, in Redis (its counter
+        becomes the count minus the units Redis holds)."""
+        view = await self.service.set_stock(tenant, sku, location, on_hand, strategy=strategy,
+                                            pool_cap=pool_cap, force=force)
+        mode = (await self.modes.get(tenant)).mode
+        if mode.writes_redis:
+            await self._stock_step(mode, self.store.set_stock(tenant, view.sku, view.location,
+                                                              view.on_hand), "set_stock")
+        return view
+
+    async def adjust_stock(self, tenant: int, request_key: str, sku: str, location: str,
+                           delta: int, *, reason: str = "", force: bool = False) -> StockView:
+        """A receipt or correction, once per request key in pgreserve; while Redis is
+        written, the first answer also moves the Redis counter by delta."""
+        view = await self.service.adjust_stock(tenant, request_key, sku, location, delta,
+                                               reason=reason, force=force)
+        mode = (await self.modes.get(tenant)).mode
+        if mode.writes_redis and not view.replayed:
+            await self._stock_step(mode, self.store.adjust_stock(tenant, view.sku,
+                                                                 view.location, delta),
+                                   "adjust_stock")
+        return view
+
+    async def _stock_step(self, mode: Mode, step: Awaitable[Any], operation: str) -> None:
+        if mode.answers_from_redis:
+            await step
+        else:
+            await self._secondary(step, "legacy", operation)
+
+    # -- reserve -----------------------------------------------------------------
+
+    async def reserve(self, tenant: int, request_key: str, lines: Iterable[Any], *,
+                      ttl: timedelta | float = DEFAULT_TTL) -> ReserveOutcome:
+        """Hold every line of a cart, or none, in the store(s) of the tenant's mode."""
+        mode = (await self.modes.get(tenant)).mode
+        if mode is Mode.PGRESERVE:
+            return await self.service.reserve(tenant, request_key, lines, ttl=ttl)
+        tenant = check.tenant_id(tenant)
+        key = check.request_key(request_key)
+        cart = check.cart(lines)
+        life = check.ttl(ttl)
+        fingerprint = digest("reserve", {
+            "lines": [[x.sku, x.location, x.quantity] for x in cart],
+            "ttl_ms": int(life.total_seconds() * 1000)})
+        self.recorder.request(tenant)
+        if mode is Mode.LEGACY:
+            return await self.store.reserve(tenant, key, fingerprint, cart, life)
+        async with self.locks.hold(tenant, cart):
+            if mode is Mode.SHADOW:
+                return await self._reserve_shadow(tenant, key, fingerprint, cart, life)
+            return await self._reserve_primary(tenant, key, fingerprint, cart, life)
+
+    async def _reserve_shadow(self, tenant: int, key: str, fingerprint: str,
+                              cart: list[Line], life: timedelta) -> ReserveOutcome:
+        started = perf_counter()
+        try:
+            legacy = await self.store.reserve(tenant, key, fingerprint, cart, life,
+                                              mode=Mode.SHADOW.value)
+        except Exception as exc:
+            legacy_ms = _ms(started)
+            pg, pg_out, pg_ms = await self._pg_reserve(tenant, key, cart, life)
+            self._compare(tenant, Mode.SHADOW, "reserve", key, error_outcome(exc), pg_out,
+                          legacy_ms, pg_ms)
+            if pg is not None and pg.held and not pg.replayed:
+                await self._secondary(self.service.release(tenant, _rid(pg)), "pgreserve",
+                                      "release")
+            raise
+        legacy_ms = _ms(started)
+        pg, pg_out, pg_ms = await self._pg_reserve(tenant, key, cart, life)
+        self._compare(tenant, Mode.SHADOW, "reserve", key, reserve_outcome(legacy), pg_out,
+                      legacy_ms, pg_ms)
+        if pg is not None and pg.held and not pg.replayed:
+            if legacy.held:
+                await self._secondary(self.store.link(tenant, _rid(legacy), _rid(pg)),
+                                      "legacy", "link")
+            else:  # the caller was told no: nobody will claim pgreserve's hold
+                await self._secondary(self.service.release(tenant, _rid(pg)), "pgreserve",
+                                      "release")
+        return legacy
+
+    async def _pg_reserve(self, tenant: int, key: str, cart: list[Line],
+                          life: timedelta) -> tuple[ReserveOutcome | None, dict[str, Any], float]:
+        started = perf_counter()
+        try:
+            pg = await self.service.reserve(tenant, key, cart, ttl=life)
+        except Exception as exc:  # noqa: BLE001 - the secondary side never fails the caller
+            self.metrics.secondary_failures.labels("pgreserve", "reserve").inc()
+            return None, error_outcome(exc), _ms(started)
+        return pg, reserve_outcome(pg), _ms(started)
+
+    async def _reserve_primary(self, tenant: int, key: str, fingerprint: str,
+                               cart: list[Line], life: timedelta) -> ReserveOutcome:
+        started = perf_counter()
+        pg = await self.service.reserve(tenant, key, cart, ttl=life)  # its failure is the caller's
+        pg_ms = _ms(started)
+        hold_id = _rid(pg) if pg.held else None
+        started = perf_counter()
+        try:
+            legacy = await self.store.reserve(tenant, key, fingerprint, cart, life,
+                                              mode=Mode.PRIMARY.value, hold_id=hold_id,
+                                              pg_id=hold_id)
+        except Exception as exc:  # noqa: BLE001 - the secondary side never fails the caller
+            self.metrics.secondary_failures.labels("legacy", "reserve").inc()
+            self._compare(tenant, Mode.PRIMARY, "reserve", key, error_outcome(exc),
+                          reserve_outcome(pg), _ms(started), pg_ms)
+            return pg
+        self._compare(tenant, Mode.PRIMARY, "reserve", key, reserve_outcome(legacy),
+                      reserve_outcome(pg), _ms(started), pg_ms)
+        if legacy.held and not pg.held and not legacy.replayed:
+            await self._secondary(self.store.release(tenant, _rid(legacy)), "legacy", "release")
+        if pg.held and not legacy.held:
+            # Redis has every hold of every mode: a refusal means its units are held
+            # elsewhere (a process still in legacy during a switch). Selling anyway
+            # would sell them twice; the caller gets the refusal.
+            await self._secondary(self.service.release(tenant, _rid(pg)), "pgreserve",
+                                  "release")
+            return legacy
+        return pg
+
+    # -- claim and release ---------------------------------------------------------
+
+    async def claim(self, tenant: int, reservation_id: str | uuid.UUID, *,
+                    request_key: str | None = None) -> Reservation:
+        """Payment succeeded: the hold becomes a sale, under the mode it was taken in."""
+        return await self._finish("claim", tenant, reservation_id, request_key)
+
+    async def release(self, tenant: int, reservation_id: str | uuid.UUID, *,
+                      request_key: str | None = None) -> Reservation:
+        """Payment failed: the units go back, under the mode the hold was taken in."""
+        return await self._finish("release", tenant, reservation_id, request_key)
+
+    async def get_reservation(self, tenant: int,
+                              reservation_id: str | uuid.UUID) -> Reservation:
+        """A reservation as the store that answered for it sees it."""
+        entry = await self.modes.get(tenant)
+        if entry.redis_may_hold(utcnow()):
+            record = await self.store.record(check.tenant_id(tenant), str(reservation_id))
+            if record is not None and Mode(record.mode).answers_from_redis:
+                return record.reservation()
+        return await self.service.get_reservation(tenant, reservation_id)
+
+    async def extend(self, tenant: int, reservation_id: str | uuid.UUID,
+                     ttl: timedelta | float, *, request_key: str | None = None) -> Reservation:
+        """A new time to live for an active hold, in the store(s) of the mode it was taken in."""
+        return await self._finish("extend", tenant, reservation_id, request_key,
+                                  check.ttl(ttl))
+
+    def _pg(self, action: str, tenant: int, reservation_id: str | uuid.UUID,
+            request_key: str | None, ttl: timedelta | None = None) -> Awaitable[Reservation]:
+        if action == "extend":
+            return self.service.extend(tenant, reservation_id, _needed(ttl),
+                                       request_key=request_key)
+        run = self.service.claim if action == "claim" else self.service.release
+        return run(tenant, reservation_id, request_key=request_key)
+
+    async def _finish(self, action: str, tenant: int, reservation_id: str | uuid.UUID,
+                      request_key: str | None, ttl: timedelta | None = None) -> Reservation:
+        entry = await self.modes.get(tenant)
+        if not entry.redis_may_hold(utcnow()):
+            return await self._pg(action, tenant, reservation_id, request_key, ttl)
+        tenant = check.tenant_id(tenant)
+        try:
+            record = await self.store.record(tenant, str(reservation_id))
+        except Exception:
+            if entry.mode.answers_from_redis:
+                raise
+            # Redis is the secondary store now: pgreserve answers without it
+            self.metrics.secondary_failures.labels("legacy", action).inc()
+            return await self._pg(action, tenant, reservation_id, request_key, ttl)
+        if record is None or record.mode == Mode.PGRESERVE.value:
+            return await self._pg(action, tenant, reservation_id, request_key, ttl)
+        self.recorder.request(tenant)
+        mode = Mode(record.mode)
+        if ttl is not None and entry.redis_until is not None:
+            # a Redis hold may not outlive the time its tenant's claims still look there
+            # (less a margin for the clocks of this host, the database and Redis)
+            ttl = max(MIN_TTL, min(ttl, entry.redis_until - utcnow() - CLOCK_MARGIN))
+        if mode is Mode.LEGACY:
+            return await self.legacy_finish(action, tenant, record, ttl=ttl)
+        compared_key = request_key or record.id
+        async with self.locks.hold(tenant, record.lines):
+            if mode is Mode.SHADOW:
+                started = perf_counter()
+                try:
+                    legacy = await self.legacy_finish(action, tenant, record, ttl=ttl)
+                except Exception as exc:
+                    legacy_ms = _ms(started)
+                    out, pg_ms = await self._pg_finish(action, tenant, record.pg_id, request_key,
+                                                       ttl)
+                    self._compare(tenant, mode, action, compared_key, error_outcome(exc), out,
+                                  legacy_ms, pg_ms)
+                    raise
+                legacy_ms = _ms(started)
+                out, pg_ms = await self._pg_finish(action, tenant, record.pg_id, request_key,
+                                                       ttl)
+                self._compare(tenant, mode, action, compared_key, transition_outcome(legacy),
+                              out, legacy_ms, pg_ms)
+                return legacy
+            started = perf_counter()
+            try:
+                pg = await self._pg(action, tenant, reservation_id, request_key, ttl)
+            except Exception as exc:
+                pg_ms = _ms(started)
+                legacy_out, legacy_ms = await self._legacy_secondary(action, tenant, record,
+                                                                    ttl)
+                self._compare(tenant, mode, action, compared_key, legacy_out,
+                              error_outcome(exc), legacy_ms, pg_ms)
+                raise
+            pg_ms = _ms(started)
+            legacy_out, legacy_ms = await self._legacy_secondary(action, tenant, record,
+                                                                    ttl)
+            self._compare(tenant, mode, action, compared_key, legacy_out,
+                          transition_outcome(pg), legacy_ms, pg_ms)
+            return pg
+
+    async def _pg_finish(self, action: str, tenant: int, pg_id: str | None,
+                         request_key: str | None,
+                         ttl: timedelta | None) -> tuple[dict[str, Any], float]:
+        started = perf_counter()
+        try:
+            if pg_id is None:
+                raise ReservationNotFound("pgreserve has no reservation beside this hold")
+            done = await self._pg(action, tenant, pg_id, request_key, ttl)
+        except Exception as exc:  # noqa: BLE001 - the secondary side never fails the caller
+            self.metrics.secondary_failures.labels("pgreserve", action).inc()
+            return error_outcome(exc), _ms(started)
+        return transition_outcome(done), _ms(started)
+
+    async def _legacy_secondary(self, action: str, tenant: int, record: HoldRecord,
+                                ttl: timedelta | None) -> tuple[dict[str, Any], float]:
+        started = perf_counter()
+        try:
+            done = await self.legacy_finish(action, tenant, record, ttl=ttl, ledger=False)
+        except Exception as exc:  # noqa: BLE001 - the secondary side never fails the caller
+            self.metrics.secondary_failures.labels("legacy", action).inc()
+            return error_outcome(exc), _ms(started)
+        return transition_outcome(done), _ms(started)
+
+    async def legacy_finish(self, action: str, tenant: int, record: HoldRecord, *,
+                            ttl: timedelta | None = None, ledger: bool = True,
+                            ledger_first: bool = False,
+                            between: Callable[[], Awaitable[None]] | None = None) -> Reservation:
+        """The legacy design's claim, release or extend: Redis, and for a claim the sale
+        written to the order ledger in a transaction of its own (after Redis, or before it
+        with `ledger_first`; not when pgreserve keeps the ledger, `ledger=False`).
+        `between` runs between the two writes."""
+        if action == "extend":
+            return await self.store.extend(tenant, record.id, _needed(ttl))
+        if action != "claim":
+            return await self.store.release(tenant, record.id)
+        if not ledger:
+            return await self.store.claim(tenant, record.id)
+        if ledger_first:
+            await self._legacy_sale(tenant, record)
+            if between is not None:
+                await between()
+            return await self.store.claim(tenant, record.id)
+        done = await self.store.claim(tenant, record.id)
+        if between is not None:
+            await between()
+        await self._legacy_sale(tenant, record)
+        return done
+
+    async def _legacy_sale(self, tenant: int, record: HoldRecord) -> None:
+        await self.service.db.fetch(queries["rollout_legacy_sale_record"], (
+            tenant, uuid.UUID(record.id), [x.sku for x in record.lines],
+            [x.location for x in record.lines], [x.quantity for x in record.lines]),
+            op=OP_SALE)
+
+    # -- expiry of legacy holds ----------------------------------------------------
+
+    async def expire_due(self) -> int:
+        """Give back the units of every expired legacy hold (tenants that may have some)."""
+        rows = await self.service.db.fetch(queries["rollout_redis_tenant_list"], (),
+                                           op=OP_TENANTS)
+        done = 0
+        for (tenant,) in rows:
+            done += await self.store.expire_due(int(tenant))
+        return done
+
+    def start(self, every_s: float = 1.0) -> None:
+        """Run expire_due in the background (pgreserve up and serve)."""
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep(every_s))
+
+    async def _sweep(self, every_s: float) -> None:
+        while True:
+            try:
+                if await self.expire_due() == 0:
+                    await asyncio.sleep(every_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the sweep is retried; the holds stay due
+                log.exception("legacy hold expiry failed; retrying")
+                await asyncio.sleep(every_s)
+
+    # -- recording -------------------------------------------------------------------
+
+    def _compare(self, tenant: int, mode: Mode, operation: str, key: str,
+                 legacy: dict[str, Any], pgreserve: dict[str, Any], legacy_ms: float,
+                 pgreserve_ms: float) -> None:
+        self.recorder.add(Comparison(tenant, mode.value, operation, key, legacy, pgreserve,
+                                     legacy_ms, pgreserve_ms))
+
+    async def _secondary(self, step: Awaitable[Any], side: str, operation: str) -> None:
+        try:
+            await step
+        except Exception:  # noqa: BLE001 - the secondary side never fails the caller
+            self.metrics.secondary_failures.labels(side, operation).inc()
+
+
+def _ms(started: float) -> float:
+    return (perf_counter() - started) * 1000
+
+
+def _needed(ttl: timedelta | None) -> timedelta:
+    if ttl is None:
+        raise InvalidRequest("an extend needs a ttl", field="ttl")
+    return ttl
+
+
+def _rid(outcome: ReserveOutcome) -> str:
+    if outcome.reservation is None:
+        raise ValueError("a rejected reserve has no reservation")
+    return outcome.reservation.id
+
+

@@ -1,0 +1,116 @@
+-- The rollout beside a legacy Redis hold store (rollout/).
+
+-- name: rollout_mode_get
+-- A tenant's mode and until when holds taken while Redis was written may be alive.
+SELECT mode, redis_until FROM rollout_mode WHERE tenant_id = %s;
+
+-- name: rollout_mode_set
+-- Switch a tenant's mode; record who and when. Leaving the Redis-writing modes
+-- for 'pgreserve' keeps redis_until a maximum hold life (24 h) ahead.
+WITH prior AS (
+    SELECT mode FROM rollout_mode WHERE tenant_id = %(tenant)s FOR UPDATE
+), upsert AS (
+    INSERT INTO rollout_mode AS m (tenant_id, mode, redis_until, changed_at, changed_by)
+    VALUES (%(tenant)s, %(mode)s,
+            CASE WHEN %(mode)s = 'pgreserve' THEN now() + interval '24 hours' END,
+            now(), %(by)s)
+    ON CONFLICT (tenant_id) DO UPDATE
+       SET mode = EXCLUDED.mode,
+           redis_until = CASE WHEN EXCLUDED.mode <> 'pgreserve' THEN NULL
+                              WHEN m.mode = 'pgreserve' THEN m.redis_until
+                              ELSE now() + interval '24 hours' END,
+           changed_at = now(), changed_by = EXCLUDED.changed_by
+    RETURNING mode, changed_at
+), change AS (
+    INSERT INTO rollout_mode_change (tenant_id, from_mode, to_mode, changed_by)
+    SELECT %(tenant)s, coalesce((SELECT mode FROM prior), 'pgreserve'), %(mode)s, %(by)s
+)
+SELECT coalesce((SELECT mode FROM prior), 'pgreserve') FROM upsert;
+
+-- name: rollout_status_list
+-- Every tenant with its mode (a tenant without a row is in 'pgreserve').
+SELECT t.tenant_id, t.name, coalesce(m.mode, 'pgreserve'), m.changed_at, m.changed_by
+FROM tenant t LEFT JOIN rollout_mode m USING (tenant_id)
+ORDER BY t.tenant_id;
+
+-- name: rollout_redis_tenant_list
+-- The tenants whose legacy holds may still be alive (the legacy expiry sweep).
+SELECT tenant_id FROM rollout_mode
+WHERE mode <> 'pgreserve' OR redis_until > now()
+ORDER BY tenant_id;
+
+-- name: rollout_comparison_record
+-- A batch of comparisons (arrays of equal length) and their requests per day.
+WITH rows AS (
+    SELECT * FROM unnest(%s::bigint[], %s::timestamptz[], %s::text[], %s::text[], %s::text[],
+                         %s::boolean[], %s::text[], %s::text[], %s::float8[], %s::float8[])
+           AS r(tenant_id, at, mode, operation, request_key, agree, legacy_outcome,
+                pgreserve_outcome, legacy_ms, pgreserve_ms)
+), saved AS (
+    INSERT INTO rollout_comparison (tenant_id, at, mode, operation, request_key, agree,
+                                    legacy_outcome, pgreserve_outcome, legacy_ms, pgreserve_ms)
+    SELECT tenant_id, at, mode, operation, request_key, agree, legacy_outcome::jsonb,
+           pgreserve_outcome::jsonb, legacy_ms, pgreserve_ms FROM rows
+    RETURNING 1
+)
+SELECT count(*) FROM saved;
+
+-- name: rollout_traffic_add
+-- Requests seen per tenant today (arrays of equal length, tenants sorted).
+WITH saved AS (
+    INSERT INTO rollout_traffic AS t (tenant_id, day, requests)
+    SELECT tenant_id, current_date, n FROM unnest(%s::bigint[], %s::bigint[]) AS r(tenant_id, n)
+    ON CONFLICT (tenant_id, day) DO UPDATE SET requests = t.requests + EXCLUDED.requests
+    RETURNING 1
+)
+SELECT count(*) FROM saved;
+
+-- name: rollout_report_summary
+-- Per tenant (or one): comparisons, agreements, latency p50 / p99 per side (ms).
+SELECT c.tenant_id, t.name, count(*), count(*) FILTER (WHERE c.agree),
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY c.legacy_ms),
+       percentile_cont(0.99) WITHIN GROUP (ORDER BY c.legacy_ms),
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY c.pgreserve_ms),
+       percentile_cont(0.99) WITHIN GROUP (ORDER BY c.pgreserve_ms),
+       count(*) FILTER (WHERE c.legacy_outcome ? 'error' OR c.pgreserve_outcome ? 'error')
+FROM rollout_comparison c JOIN tenant t USING (tenant_id)
+WHERE (%(tenant)s::bigint IS NULL OR c.tenant_id = %(tenant)s)
+GROUP BY c.tenant_id, t.name
+ORDER BY c.tenant_id;
+
+-- name: rollout_report_disagreements
+-- The latest disagreements, newest first.
+SELECT c.tenant_id, t.name, c.at, c.mode, c.operation, c.request_key, c.legacy_outcome,
+       c.pgreserve_outcome, c.legacy_ms, c.pgreserve_ms
+FROM rollout_comparison c JOIN tenant t USING (tenant_id)
+WHERE NOT c.agree AND (%(tenant)s::bigint IS NULL OR c.tenant_id = %(tenant)s)
+ORDER BY c.at DESC, c.comparison_id DESC
+LIMIT %(limit)s;
+
+-- name: rollout_plan_list
+-- Tenants from the smallest traffic (the last 7 days) to the largest, with mode
+-- and agreement ratio.
+SELECT t.tenant_id, t.name, coalesce(m.mode, 'pgreserve'),
+       greatest(coalesce(tr.requests, 0), coalesce(r.reservations, 0)) AS traffic,
+       c.compared, c.agreed
+FROM tenant t
+LEFT JOIN rollout_mode m USING (tenant_id)
+LEFT JOIN LATERAL (SELECT sum(requests)::bigint AS requests FROM rollout_traffic x
+                   WHERE x.tenant_id = t.tenant_id AND x.day > current_date - 7) tr ON true
+LEFT JOIN LATERAL (SELECT count(*) AS reservations FROM reservation x
+                   WHERE x.tenant_id = t.tenant_id
+                     AND x.created_at > now() - interval '7 days') r ON true
+LEFT JOIN LATERAL (SELECT count(*) AS compared, count(*) FILTER (WHERE agree) AS agreed
+                   FROM rollout_comparison x WHERE x.tenant_id = t.tenant_id) c ON true
+ORDER BY traffic, t.tenant_id;
+
+-- name: rollout_legacy_sale_record
+-- The legacy design's ledger write of a claimed hold's lines (arrays of equal length).
+WITH saved AS (
+    INSERT INTO rollout_legacy_sale (tenant_id, reservation_id, sku, location, quantity)
+    SELECT %s, %s, sku, location, quantity
+    FROM unnest(%s::text[], %s::text[], %s::int[]) AS r(sku, location, quantity)
+    ON CONFLICT DO NOTHING
+    RETURNING 1
+)
+SELECT count(*) FROM saved;

@@ -1,0 +1,681 @@
+"""Rolling out beside the legacy Redis hold store: the adapter, the modes, the comparison."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+import psycopg
+import pytest
+import pytest_asyncio
+
+from pgreserve import errors
+from pgreserve.core.service import ReservationService
+from pgreserve.db.database import Database
+from pgreserve.domain import Status, Tenant
+from pgreserve.rollout import Mode, RedisHoldStore, Rollout, set_mode
+from pgreserve.rollout import report as reports
+from redisserver import RedisServer, binary
+
+BIN = Path(sys.executable).parent / "pgreserve"
+_ns = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One real redis-server for the run (each test uses its own key namespace)."""
+    if binary() is None:
+        pytest.skip("redis-server is not installed (Debian package redis-server; "
+                    ".ci/run installs it)")
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest_asyncio.fixture
+async def store(redis_server: RedisServer) -> AsyncIterator[RedisHoldStore]:
+    s = RedisHoldStore(redis_server.url, namespace=f"test{os.getpid()}n{next(_ns)}")
+    yield s
+    await s.aclose()
+
+
+@pytest_asyncio.fixture
+async def rollout(service: ReservationService,
+                  store: RedisHoldStore) -> AsyncIterator[Rollout]:
+    """The rollout layer, reading modes on every request (no cache delay in tests)."""
+    r = Rollout(service, RedisHoldStore(store.url, namespace=store.namespace), mode_ttl_s=0,
+                flush_every_s=0.05)
+    yield r
+    await r.aclose()
+
+
+async def seed(service: ReservationService, store: RedisHoldStore, tenant: int, sku: str,
+               on_hand: int, location: str = "berlin") -> None:
+    """Both stores counted alike."""
+    await service.set_stock(tenant, sku, location, on_hand)
+    await store.set_stock(tenant, sku, location, on_hand)
+
+
+async def run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run a command in a thread (the event loop keeps serving) and return its result."""
+    return await asyncio.to_thread(subprocess.run, list(argv), capture_output=True, text=True,
+                                   check=check)
+
+
+async def pg_sold(db: Database, tenant: int, sku: str) -> int:
+    rows = await db.fetch("SELECT coalesce(abs(sum(m.quantity)), 0) FROM stock_movement m "
+                          "JOIN stock_bucket b USING (tenant_id, bucket_id) "
+                          "WHERE m.tenant_id = %s AND b.sku = %s AND m.kind = 'sale'",
+                          (tenant, sku))
+    return int(rows[0][0])
+
+
+# -- the adapter ------------------------------------------------------------------
+
+async def test_legacy_cart_is_held_whole_or_not_at_all(store: RedisHoldStore,
+                                                       tenant: Tenant) -> None:
+    """A cart with one short line takes nothing in Redis; a cart that fits takes every line."""
+    from datetime import timedelta
+
+    from pgreserve import validation as check
+
+    await store.set_stock(tenant.id, "a", "x", 5)
+    await store.set_stock(tenant.id, "b", "x", 1)
+    cart = check.cart([("a", "x", 2), ("b", "x", 2)])
+    out = await store.reserve(tenant.id, "k1", "fp1", cart, timedelta(seconds=60))
+    assert not out.held and [(s.sku, s.requested, s.available) for s in out.short_lines] == \
+        [("b", 2, 1)]
+    assert (await store.available(tenant.id, "a", "x"), await store.available(tenant.id, "b", "x")) == (5, 1)
+    cart = check.cart([("a", "x", 2), ("b", "x", 1)])
+    out = await store.reserve(tenant.id, "k2", "fp2", cart, timedelta(seconds=60))
+    assert out.held
+    assert (await store.available(tenant.id, "a", "x"), await store.available(tenant.id, "b", "x")) == (3, 0)
+    again = await store.reserve(tenant.id, "k2", "fp2", cart, timedelta(seconds=60))
+    assert again.replayed and again.reservation is not None and out.reservation is not None
+    assert again.reservation.id == out.reservation.id
+    assert await store.available(tenant.id, "a", "x") == 3
+    with pytest.raises(errors.IdempotencyKeyReused):
+        await store.reserve(tenant.id, "k2", "other", cart, timedelta(seconds=60))
+
+
+async def test_legacy_release_gives_back_once_and_claim_removes_the_hold(
+        store: RedisHoldStore, tenant: Tenant) -> None:
+    """A release gives the units back once, a claim keeps them sold, and neither repeats."""
+    from datetime import timedelta
+
+    from pgreserve import validation as check
+
+    await store.set_stock(tenant.id, "a", "x", 4)
+    cart = check.cart([("a", "x", 2)])
+    first = await store.reserve(tenant.id, "r1", "f", cart, timedelta(seconds=60))
+    second = await store.reserve(tenant.id, "r2", "f", cart, timedelta(seconds=60))
+    assert first.reservation and second.reservation
+    assert (await store.release(tenant.id, first.reservation.id)).status is Status.RELEASED
+    assert (await store.release(tenant.id, first.reservation.id)).status is Status.RELEASED
+    assert await store.available(tenant.id, "a", "x") == 2
+    assert (await store.claim(tenant.id, second.reservation.id)).status is Status.CLAIMED
+    assert (await store.claim(tenant.id, second.reservation.id)).replayed
+    with pytest.raises(errors.ReservationClaimed):
+        await store.release(tenant.id, second.reservation.id)
+    with pytest.raises(errors.ReservationReleased):
+        await store.claim(tenant.id, first.reservation.id)
+    assert await store.available(tenant.id, "a", "x") == 2
+    assert await store.held(tenant.id, "a", "x") == 0
+    assert await store.redis.exists(store.key(tenant.id, "hold", second.reservation.id)) == 0
+
+
+async def test_legacy_hold_expires_by_ttl_and_gives_units_back_once(
+        store: RedisHoldStore, tenant: Tenant) -> None:
+    """A hold whose key Redis expired gives its units back once (sweep), and cannot be claimed."""
+    from datetime import timedelta
+
+    from pgreserve import validation as check
+
+    await store.set_stock(tenant.id, "a", "x", 3)
+    out = await store.reserve(tenant.id, "e1", "f", check.cart([("a", "x", 3)]),
+                              timedelta(seconds=1))
+    assert out.reservation is not None
+    assert await store.available(tenant.id, "a", "x") == 0
+    await asyncio.sleep(1.2)
+    assert await store.expire_due(tenant.id) == 1
+    assert await store.expire_due(tenant.id) == 0
+    assert await store.available(tenant.id, "a", "x") == 3
+    with pytest.raises(errors.ReservationExpired):
+        await store.claim(tenant.id, out.reservation.id)
+    assert await store.available(tenant.id, "a", "x") == 3
+
+
+async def test_legacy_keys_are_namespaced_per_tenant(store: RedisHoldStore,
+                                                     service: ReservationService) -> None:
+    """Two tenants' counters of the same sku and location are separate keys."""
+    one = await service.create_tenant("one")
+    two = await service.create_tenant("two")
+    await store.set_stock(one.id, "a:b", "x", 5)
+    await store.set_stock(two.id, "a", "b:x", 7)
+    assert store.counter_key(one.id, "a:b", "x") != store.counter_key(two.id, "a", "b:x")
+    assert store.counter_key(one.id, "a:b", "x").startswith(f"{store.namespace}:t{one.id}:")
+    assert (await store.available(one.id, "a:b", "x"), await store.available(two.id, "a", "b:x")) \
+        == (5, 7)
+    assert await store.available(two.id, "a:b", "x") == 0
+
+
+# -- shadow mode ------------------------------------------------------------------
+
+async def test_shadow_mode_64_buyers_one_hot_sku_agree_fully(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """Shadow mode under 64 concurrent buyers of one hot SKU seeded alike: agreement 1.0,
+    and both stores end with the same units sold and available."""
+    await seed(service, store, tenant.id, "hot", 40)
+    await set_mode(db, tenant.id, Mode.SHADOW, "test")
+    claimed = 0
+
+    async def buyer(i: int) -> None:
+        nonlocal claimed
+        out = await rollout.reserve(tenant.id, f"buy-{i}", [("hot", "berlin", 1)], ttl=60)
+        if out.held:
+            assert out.reservation is not None
+            await asyncio.sleep(random.random() / 100)
+            if i % 3:
+                await rollout.claim(tenant.id, out.reservation.id)
+                claimed += 1
+            else:
+                await rollout.release(tenant.id, out.reservation.id)
+
+    await asyncio.gather(*(buyer(i) for i in range(64)))
+    await rollout.recorder.flush()
+    summary, latest = await reports.report(db, tenant.id)
+    assert latest == []
+    assert summary[0].compared > 64 and summary[0].agreement == 1.0
+    view = await service.get_stock(tenant.id, "hot", "berlin")
+    assert view.on_hand == 40 - claimed and view.available == 40 - claimed
+    assert await store.available(tenant.id, "hot", "berlin") == 40 - claimed
+    assert await store.held(tenant.id, "hot", "berlin") == 0
+    sales = await db.fetch("SELECT count(*) FROM rollout_legacy_sale WHERE tenant_id = %s",
+                           (tenant.id,))
+    assert int(sales[0][0]) == claimed == await pg_sold(db, tenant.id, "hot")
+    assert await service.invariant_violations() == []
+
+
+async def test_planted_disagreement_shows_up_with_its_request_key(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """A manual DECR on the Redis counter makes the last buyer's answers differ; the report
+    lists that request key with both outcomes, and the caller gets Redis's answer."""
+    await seed(service, store, tenant.id, "tee", 5)
+    await set_mode(db, tenant.id, Mode.SHADOW, "test")
+    await store.redis.decr(store.counter_key(tenant.id, "tee", "berlin"))
+    answers = [await rollout.reserve(tenant.id, f"order-{i}", [("tee", "berlin", 1)], ttl=60)
+               for i in range(5)]
+    assert [a.held for a in answers] == [True] * 4 + [False]
+    await rollout.recorder.flush()
+    summary, latest = await reports.report(db, tenant.id)
+    assert summary[0].compared == 5 and summary[0].agreed == 4
+    assert [d.request_key for d in latest] == ["order-4"]
+    assert latest[0].legacy["held"] is False and latest[0].pgreserve == {"held": True}
+    # the hold the caller was not told about is given back in pgreserve
+    assert (await service.get_stock(tenant.id, "tee", "berlin")).available == 1
+    out = await run(str(BIN), "rollout", "report", "--tenant", "acme", "--json",
+                    "--database-url", db.conninfo)
+    doc = json.loads(out.stdout)
+    assert doc["tenants"][0]["agreement"] == 0.8
+    assert doc["disagreements"][0]["request_key"] == "order-4"
+
+
+# -- switching ----------------------------------------------------------------------
+
+async def test_flip_primary_to_legacy_mid_sale_keeps_every_unit_accounted(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """Flipping primary -> legacy in the middle of a 64-buyer sale: in Redis, available +
+    held + every claim = the stock; in pgreserve, the same with the claims of primary holds."""
+    await seed(service, store, tenant.id, "hot", 50)
+    await set_mode(db, tenant.id, Mode.PRIMARY, "test")
+    claims = {"primary": 0, "legacy": 0}
+    started = asyncio.Event()
+
+    async def buyer(i: int) -> None:
+        if i >= 32:
+            await started.wait()
+        out = await rollout.reserve(tenant.id, f"b{i}", [("hot", "berlin", 1)], ttl=60)
+        if i == 31:
+            await set_mode(db, tenant.id, Mode.LEGACY, "test")
+            started.set()
+        if out.held:
+            assert out.reservation is not None
+            record = await store.record(tenant.id, out.reservation.id)
+            assert record is not None
+            mode: str = record.mode
+            await asyncio.sleep(random.random() / 50)
+            if i % 4:
+                done = await rollout.claim(tenant.id, out.reservation.id)
+                assert done.status is Status.CLAIMED
+                claims[mode] += 1
+            else:
+                await rollout.release(tenant.id, out.reservation.id)
+
+    await asyncio.gather(*(buyer(i) for i in range(64)))
+    assert claims["primary"] > 0 and claims["legacy"] > 0
+    total = claims["primary"] + claims["legacy"]
+    assert total <= 50  # no unit sold twice across the two stores
+    assert await store.available(tenant.id, "hot", "berlin") + \
+        await store.held(tenant.id, "hot", "berlin") + total == 50
+    assert await store.held(tenant.id, "hot", "berlin") == 0
+    assert await pg_sold(db, tenant.id, "hot") == claims["primary"]
+    view = await service.get_stock(tenant.id, "hot", "berlin")
+    assert view.on_hand == 50 - claims["primary"] and view.available == view.on_hand
+    assert await service.invariant_violations() == []
+
+
+async def test_switch_with_holds_in_flight_loses_and_duplicates_nothing(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """Holds taken in each mode, then finished after the tenant moved on, finish under the
+    mode they were taken in: each store counts each of its claims once and every release back."""
+    await seed(service, store, tenant.id, "sku", 100)
+    holds: list[tuple[str, str]] = []
+    for n, mode in enumerate([Mode.LEGACY, Mode.SHADOW, Mode.PRIMARY, Mode.PGRESERVE] * 2):
+        await set_mode(db, tenant.id, mode, "test")
+        for i in range(3):
+            out = await rollout.reserve(tenant.id, f"{n}-{i}", [("sku", "berlin", 2)], ttl=60)
+            assert out.held and out.reservation is not None
+            holds.append((mode.value, out.reservation.id))
+    await set_mode(db, tenant.id, Mode.SHADOW, "test")
+    redis_claims = pg_claims = 0
+    for i, (taken, rid) in enumerate(holds):
+        if i % 2:
+            first = await rollout.claim(tenant.id, rid)
+            again = await rollout.claim(tenant.id, rid)
+            assert first.status is again.status is Status.CLAIMED
+            redis_claims += 2 * (taken != "pgreserve")
+            pg_claims += 2 * (taken != "legacy")
+        else:
+            await rollout.release(tenant.id, rid)
+            await rollout.release(tenant.id, rid)
+    assert await store.held(tenant.id, "sku", "berlin") == 0
+    assert await store.available(tenant.id, "sku", "berlin") == 100 - redis_claims
+    view = await service.get_stock(tenant.id, "sku", "berlin")
+    assert view.on_hand == view.available == 100 - pg_claims
+    assert await pg_sold(db, tenant.id, "sku") == pg_claims
+    await rollout.recorder.flush()
+    summary, latest = await reports.report(db, tenant.id)
+    assert latest == [] and summary[0].agreement == 1.0
+    assert await service.invariant_violations() == []
+
+
+async def test_extend_moves_the_expiry_in_the_stores_of_the_holds_mode(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """An extend of a shadow hold moves its expiry in Redis (hold key TTL) and in pgreserve;
+    an extend of a released hold is refused by both alike."""
+    await seed(service, store, tenant.id, "a", 2)
+    await set_mode(db, tenant.id, Mode.SHADOW, "test")
+    out = await rollout.reserve(tenant.id, "k", [("a", "berlin", 1)], ttl=5)
+    assert out.reservation is not None
+    rid = out.reservation.id
+    longer = await rollout.extend(tenant.id, rid, 600)
+    assert (longer.expires_at - out.reservation.expires_at).total_seconds() > 500
+    assert await store.redis.pttl(store.key(tenant.id, "hold", rid)) > 500_000
+    record = await store.record(tenant.id, rid)
+    assert record is not None and record.pg_id is not None
+    twin = await service.get_reservation(tenant.id, record.pg_id)
+    assert (twin.expires_at - out.reservation.expires_at).total_seconds() > 500
+    await rollout.release(tenant.id, rid)
+    with pytest.raises(errors.ReservationNotActive):
+        await rollout.extend(tenant.id, rid, 600)
+    await rollout.recorder.flush()
+    summary, latest = await reports.report(db, tenant.id)
+    assert latest == [] and summary[0].compared == 4
+
+
+async def test_a_redis_hold_is_not_extended_past_the_time_claims_look_in_redis(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """After a move to pgreserve, extending a hold taken in primary keeps it within the
+    24 hours its claims still look for it in Redis, in both stores."""
+    await seed(service, store, tenant.id, "a", 1)
+    await set_mode(db, tenant.id, Mode.PRIMARY, "test")
+    out = await rollout.reserve(tenant.id, "k", [("a", "berlin", 1)], ttl=60)
+    assert out.reservation is not None
+    await set_mode(db, tenant.id, Mode.PGRESERVE, "test")
+    until = (await rollout.modes.get(tenant.id)).redis_until
+    assert until is not None
+    await asyncio.sleep(1.1)
+    longer = await rollout.extend(tenant.id, out.reservation.id, 24 * 3600)
+    assert longer.expires_at <= until
+    record = await store.record(tenant.id, out.reservation.id)
+    assert record is not None and record.expires_at <= until
+    assert (await rollout.claim(tenant.id, out.reservation.id)).status is Status.CLAIMED
+    assert await store.held(tenant.id, "a", "berlin") == 0
+
+
+async def test_a_failing_secondary_store_never_fails_the_caller(
+        service: ReservationService, tenant: Tenant, db: Database) -> None:
+    """Primary mode with Redis stopped still answers from pgreserve; the failures are counted
+    and recorded as disagreements."""
+    server = RedisServer().start()
+    r = Rollout(service, RedisHoldStore(server.url), mode_ttl_s=0)
+    try:
+        await service.set_stock(tenant.id, "a", "x", 3)
+        await r.store.set_stock(tenant.id, "a", "x", 3)
+        await set_mode(db, tenant.id, Mode.PRIMARY, "test")
+        server.stop()
+        out = await r.reserve(tenant.id, "k", [("a", "x", 1)], ttl=60)
+        assert out.held and out.reservation is not None
+        assert (await r.claim(tenant.id, out.reservation.id)).status is Status.CLAIMED
+        assert r.metrics.secondary_failures.labels("legacy", "reserve")._value.get() == 1
+        await r.recorder.flush()
+        _, latest = await reports.report(db, tenant.id)
+        assert [d.legacy["error"] for d in latest] == ["outcome_unknown"]
+        assert (await service.get_stock(tenant.id, "a", "x")).on_hand == 2
+    finally:
+        server.stop()
+        await r.aclose()
+
+
+async def test_pgreserve_tenants_never_call_redis_and_read_their_mode_once_per_ttl(
+        service: ReservationService, tenant: Tenant, db: Database) -> None:
+    """A tenant in mode pgreserve is served with Redis down, and a process reads its mode
+    from the database at most once per TTL (a switch is seen when the TTL is over)."""
+    server = RedisServer().start()
+    r = Rollout(service, RedisHoldStore(server.url), mode_ttl_s=3600)
+    server.stop()
+    try:
+        await service.set_stock(tenant.id, "a", "x", 5)
+        out = await r.reserve(tenant.id, "k1", [("a", "x", 1)], ttl=60)
+        assert out.reservation is not None
+        assert (await r.claim(tenant.id, out.reservation.id)).status is Status.CLAIMED
+        await set_mode(db, tenant.id, Mode.LEGACY, "test")
+        cached = await r.reserve(tenant.id, "k2", [("a", "x", 1)], ttl=60)
+        assert cached.held  # still pgreserve: the mode is cached
+        r.modes.forget(tenant.id)
+        with pytest.raises(errors.OutcomeUnknown):  # legacy now: Redis answers, and is down
+            await r.reserve(tenant.id, "k3", [("a", "x", 1)], ttl=60)
+        assert (await service.get_stock(tenant.id, "a", "x")).available == 3
+    finally:
+        await r.aclose()
+
+
+async def test_shadow_mode_pgreserve_failure_is_recorded_not_returned(
+        rollout: Rollout, store: RedisHoldStore, tenant: Tenant, db: Database) -> None:
+    """In shadow mode an error of pgreserve (a bucket it does not know) leaves Redis's answer
+    to the caller and is recorded as a disagreement."""
+    await store.set_stock(tenant.id, "only-redis", "x", 2)
+    await set_mode(db, tenant.id, Mode.SHADOW, "test")
+    out = await rollout.reserve(tenant.id, "k1", [("only-redis", "x", 1)], ttl=60)
+    assert out.held
+    await rollout.recorder.flush()
+    _, latest = await reports.report(db, tenant.id)
+    assert latest[0].request_key == "k1" and latest[0].pgreserve["error"] == "unknown_stock"
+
+
+# -- the command line and the API -----------------------------------------------------
+
+async def test_rollout_cli_sets_modes_with_who_and_plans_smallest_first(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        db: Database) -> None:
+    """`rollout set` records who switched; `status` shows it; `plan` lists tenants from the
+    smallest traffic to the largest with mode and agreement."""
+    big = await service.create_tenant("big")
+    small = await service.create_tenant("small")
+
+    def cli(*args: str) -> str:
+        return subprocess.run([str(BIN), "rollout", *args, "--database-url", db.conninfo],
+                              capture_output=True, text=True, check=True).stdout
+
+    assert "pgreserve -> shadow (by alice)" in cli("set", "big", "shadow", "--by", "alice")
+    cli("set", "small", "shadow", "--by", "bob")
+    for t, n in ((big, 6), (small, 2)):
+        await seed(service, store, t.id, "s", 10, location="x")
+        for i in range(n):
+            await rollout.reserve(t.id, f"k{i}", [("s", "x", 1)], ttl=60)
+    await rollout.recorder.flush()
+    status = {r["tenant"]: r for r in json.loads(cli("status", "--json"))}
+    assert status["big"]["mode"] == "shadow" and status["big"]["changed_by"] == "alice"
+    assert status["small"]["changed_by"] == "bob"
+    plan = [r for r in json.loads(cli("plan", "--json")) if r["tenant"] in ("big", "small")]
+    assert [(r["tenant"], r["traffic"], r["agreement"]) for r in plan] == \
+        [("small", 2, 1.0), ("big", 6, 1.0)]
+    changes = await db.fetch("SELECT to_mode, changed_by FROM rollout_mode_change "
+                             "WHERE tenant_id = %s", (big.id,))
+    assert changes == [("shadow", "alice")]
+    bad = await run(str(BIN), "rollout", "set", "big", "sideways", "--database-url",
+                    db.conninfo, check=False)
+    assert bad.returncode != 0 and "sideways" in bad.stderr
+    with pytest.raises(errors.UnknownTenant):
+        await set_mode(db, 10_000, Mode.SHADOW, "test")
+    with pytest.raises(errors.InvalidRequest):
+        await set_mode(db, big.id, "sideways", "test")
+
+
+async def test_rehearsal_runs_a_shadow_sale_on_a_scratch_tenant(
+        service: ReservationService, redis_server: RedisServer, db: Database) -> None:
+    """`rollout rehearse` sells out a scratch tenant in shadow mode; both stores agree on
+    every request and the report has its latencies."""
+    from pgreserve.rollout.rehearsal import rehearse
+
+    done = await rehearse(service, redis_server.url, buyers=24, stock=16, seed=3)
+    assert done.held == 16 and done.tenant.name.startswith("rehearsal-")
+    summary, latest = await reports.report(db, done.tenant.id)
+    assert latest == [] and summary[0].agreement == 1.0
+    assert summary[0].compared == 24 + 16
+    assert summary[0].legacy_p99_ms is not None and summary[0].pgreserve_p99_ms is not None
+
+
+async def test_http_api_serves_legacy_mode_behind_the_same_endpoints(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        db: Database) -> None:
+    """With the rollout layer, PUT /v1/stock counts both stores, and POST /v1/reservations
+    and /claim of a tenant in legacy mode are answered by Redis and write no reservation
+    to pgreserve."""
+    from pgreserve.http import create_app
+
+    created, key = await service.create_tenant_with_key("shop")
+    await set_mode(db, created.id, Mode.LEGACY, "test")
+    app = create_app(database=db, rollout=rollout)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                 headers={"Authorization": f"Bearer {key}"}) as client:
+        counted = await client.put("/v1/stock/berlin/tee", json={"on_hand": 2})
+        assert counted.status_code == 200
+        received = await client.post("/v1/stock/berlin/tee/adjustments", json={"delta": 1},
+                                     headers={"Idempotency-Key": "receipt-1"})
+        again = await client.post("/v1/stock/berlin/tee/adjustments", json={"delta": 1},
+                                  headers={"Idempotency-Key": "receipt-1"})
+        assert received.status_code == again.status_code == 200
+        assert await store.available(created.id, "tee", "berlin") == 3
+        made = await client.post("/v1/reservations", headers={"Idempotency-Key": "c-1"},
+                                 json={"lines": [{"sku": "tee", "location": "berlin",
+                                                  "quantity": 3}], "ttl_seconds": 60})
+        assert made.status_code == 201
+        short = await client.post("/v1/reservations", headers={"Idempotency-Key": "c-2"},
+                                  json={"lines": [{"sku": "tee", "location": "berlin",
+                                                   "quantity": 1}]})
+        assert short.status_code == 409
+        done = await client.post(f"/v1/reservations/{made.json()['id']}/claim")
+        assert done.status_code == 200 and done.json()["status"] == "claimed"
+        seen = await client.get(f"/v1/reservations/{made.json()['id']}")
+        assert seen.status_code == 200 and seen.json()["status"] == "claimed"
+    rows = await db.fetch("SELECT count(*) FROM reservation WHERE tenant_id = %s", (created.id,))
+    assert rows[0][0] == 0
+    assert await store.available(created.id, "tee", "berlin") == 0
+
+
+# -- the crash gap ---------------------------------------------------------------------
+
+CRASH = """
+import asyncio, os, sys
+from pgreserve.core.service import ReservationService
+from pgreserve.db.database import Database
+from pgreserve.rollout import RedisHoldStore, Rollout
+
+async def main(dsn, url, ns, tenant, hold, ledger_first):
+    async with Database(dsn, max_size=2) as db:
+        r = Rollout(ReservationService(db), RedisHoldStore(url, namespace=ns))
+        record = await r.store.record(tenant, hold)
+        async def crash():
+            os._exit(17)
+        await r.legacy_finish("claim", tenant, record, ledger_first=ledger_first, between=crash)
+
+dsn, url, ns, tenant, hold, first = sys.argv[1:]
+asyncio.run(main(dsn, url, ns, int(tenant), hold, first == "ledger_first"))
+"""
+
+
+@pytest.mark.parametrize("order", ["redis_first", "ledger_first"])
+async def test_legacy_claim_crash_gap_undersells_or_oversells(
+        order: str, rollout: Rollout, store: RedisHoldStore, tenant: Tenant,
+        db: Database) -> None:
+    """A process crash between the Redis claim and the ledger write loses units (Redis
+    first) or sells them twice (ledger first): the legacy design's crash gap."""
+    await store.set_stock(tenant.id, "tee", "berlin", 1)
+    await set_mode(db, tenant.id, Mode.LEGACY, "test")
+    held = await rollout.reserve(tenant.id, "first", [("tee", "berlin", 1)], ttl=4)
+    assert held.reservation is not None
+    proc = await run(sys.executable, "-c", CRASH, db.conninfo, store.url, store.namespace,
+                     str(tenant.id), held.reservation.id, order, check=False)
+    assert proc.returncode == 17, proc.stderr
+    await asyncio.sleep(max(0.0, (held.reservation.expires_at - datetime.now(UTC)).total_seconds()) + 0.2)
+    await store.expire_due(tenant.id)
+    sold = int((await db.fetch("SELECT count(*) FROM rollout_legacy_sale WHERE tenant_id = %s",
+                               (tenant.id,)))[0][0])
+    available = await store.available(tenant.id, "tee", "berlin")
+    if order == "redis_first":
+        assert (sold, available) == (0, 0)  # one unit neither sold nor for sale: undersold
+        return
+    assert (sold, available) == (1, 1)  # sold, and for sale again
+    again = await rollout.reserve(tenant.id, "second", [("tee", "berlin", 1)], ttl=60)
+    assert again.reservation is not None
+    await rollout.claim(tenant.id, again.reservation.id)
+    sold = int((await db.fetch("SELECT count(*) FROM rollout_legacy_sale WHERE tenant_id = %s",
+                               (tenant.id,)))[0][0])
+    assert sold == 2  # two sales of the one unit there was: oversold
+
+
+PG_CLAIM = """
+import asyncio, sys
+from pgreserve.core.service import ReservationService
+from pgreserve.db.database import Database
+
+async def main(dsn, tenant, rid):
+    async with Database(dsn, max_size=1, application_name="pgreserve:crashing") as db:
+        await ReservationService(db, batching=False).claim(tenant, rid)
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2]), sys.argv[3]))
+"""
+
+
+def kill_claim_in_its_transaction(dsn: str, tenant: int, rid: str) -> None:
+    """Start a claim in another process, wait until it waits on the bucket lock inside its
+    transaction, then kill the process and its backend."""
+    with psycopg.connect(dsn) as blocker:
+        blocker.execute("SELECT 1 FROM stock_bucket WHERE tenant_id = %s FOR UPDATE",
+                        (tenant,))
+        proc = subprocess.Popen([sys.executable, "-c", PG_CLAIM, dsn, str(tenant),
+                                 rid])
+        with psycopg.connect(dsn, autocommit=True) as watcher:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                waiting = watcher.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE application_name = "
+                    "'pgreserve:crashing' AND wait_event_type = 'Lock'").fetchall()
+                if waiting:
+                    break
+                time.sleep(0.05)
+            assert waiting, "the claim never reached the bucket lock"
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+            watcher.execute("SELECT pg_terminate_backend(%s)", (waiting[0][0],))
+        blocker.rollback()
+
+
+async def test_pgreserve_claim_is_one_transaction_with_no_crash_gap(
+        service: ReservationService, tenant: Tenant, dsn: str) -> None:
+    """A claimer killed inside its transaction leaves the hold untouched and no sale; the
+    retried claim sells the unit once: no unit is lost or sold twice."""
+    await service.set_stock(tenant.id, "tee", "berlin", 1)
+    out = await service.reserve(tenant.id, "k", [("tee", "berlin", 1)], ttl=60)
+    assert out.reservation is not None
+    await asyncio.to_thread(kill_claim_in_its_transaction, dsn, tenant.id, out.reservation.id)
+    found = await service.get_reservation(tenant.id, out.reservation.id)
+    assert found.status is Status.ACTIVE
+    view = await service.get_stock(tenant.id, "tee", "berlin")
+    assert (view.on_hand, view.reserved) == (1, 1)
+    assert (await service.claim(tenant.id, out.reservation.id)).status is Status.CLAIMED
+    view = await service.get_stock(tenant.id, "tee", "berlin")
+    assert (view.on_hand, view.available) == (0, 0)
+    assert await service.invariant_violations() == []
+
+
+def test_up_with_a_legacy_store_serves_a_legacy_tenant_from_redis(
+        redis_server: RedisServer) -> None:
+    """`pgreserve up` with PGRESERVE_LEGACY_REDIS_URL serves a tenant switched to legacy
+    from Redis (the switch seen without a restart) and gives expired Redis holds back."""
+    import shutil
+    import tempfile
+    import threading
+
+    from test_cli_up import free_port
+
+    root = Path(tempfile.mkdtemp(prefix="pgr-"))
+    data = str(root / "data")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PGRESERVE_")}
+    env["PGRESERVE_LEGACY_REDIS_URL"] = redis_server.url
+    proc = subprocess.Popen([str(BIN), "up", "--data-dir", data, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    up = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "Press Ctrl-C" in line:
+                up.set()
+
+    threading.Thread(target=read, daemon=True).start()
+
+    def cli(*args: str) -> str:
+        return subprocess.run([str(BIN), *args, "--data-dir", data], capture_output=True,
+                              text=True, env=env, timeout=120, check=True).stdout
+
+    try:
+        assert up.wait(120), "".join(lines)
+        key = json.loads(cli("tenant", "create", "shop", "--json"))["api_key"]
+        cli("rollout", "set", "shop", "legacy", "--by", "ops")
+        tenant_id = next(r["tenant_id"] for r in json.loads(cli("rollout", "status", "--json"))
+                         if r["tenant"] == "shop")
+        counter = RedisHoldStore(redis_server.url).counter_key(tenant_id, "tee", "wh")
+        redis = redis_server.client()
+        time.sleep(1.5)  # the API process reads a tenant's mode at most once a second
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
+                          headers={"Authorization": f"Bearer {key}"}) as client:
+            assert client.put("/v1/stock/wh/tee", json={"on_hand": 4}).status_code == 200
+            assert int(redis.get(counter) or 0) == 4
+            made = client.post("/v1/reservations", headers={"Idempotency-Key": "o-1"},
+                               json={"lines": [{"sku": "tee", "location": "wh", "quantity": 3}],
+                                     "ttl_seconds": 1})
+            assert made.status_code == 201
+            assert int(redis.get(counter) or 0) == 1
+            deadline = time.monotonic() + 30
+            while int(redis.get(counter) or 0) != 4 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert int(redis.get(counter) or 0) == 4  # the expired hold was given back
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(root, ignore_errors=True)
