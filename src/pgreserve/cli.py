@@ -5,18 +5,23 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
+import psycopg
+import psycopg.conninfo
 from rich.console import Console
 
 from . import errors
-from .config import database_url
+from .config import database_url, mask_password
 from .core.service import ReservationService
 from .db import migrate as migrations
 from .db.database import Database
+from .db.embedded import data_dir_from_env
 from .workers.base import run_forever
 from .workers.janitor import Janitor, JanitorConfig
 from .workers.replenisher import Replenisher
@@ -27,9 +32,10 @@ console = Console(stderr=True, soft_wrap=True)
 
 db_options = [
     click.option("--database-url", envvar="PGRESERVE_DATABASE_URL", default=None,
-                 help="PostgreSQL >= 15 URL; default: the embedded server."),
-    click.option("--data-dir", envvar="PGRESERVE_DATA_DIR", default=None,
-                 help="Data directory of the embedded server (default ./.pgreserve/data)."),
+                 show_envvar=True, help="PostgreSQL >= 15 URL; default: the embedded server."),
+    click.option("--data-dir", envvar="PGRESERVE_DATA_DIR", default=None, show_envvar=True,
+                 help="Data directory of the embedded server (default ./.pgreserve/data, "
+                      "relative to the current directory; only `up` and `migrate` create it)."),
 ]
 
 
@@ -41,14 +47,14 @@ def with_db(f: Any) -> Any:
 
 http_options = [
     click.option("--host", envvar="PGRESERVE_HOST", default="127.0.0.1", show_default=True,
-                 help="Address the HTTP API listens on."),
-    click.option("--port", envvar="PGRESERVE_PORT", default=8000, show_default=True, type=int,
-                 help="Port of the HTTP API."),
+                 show_envvar=True, help="Address the HTTP API listens on."),
+    click.option("--port", envvar="PGRESERVE_PORT", default=8000, show_default=True,
+                 show_envvar=True, type=click.IntRange(0, 65535), help="Port of the HTTP API."),
 ]
 
 retention_option = click.option(
     "--key-retention-hours", envvar="PGRESERVE_KEY_RETENTION_HOURS", default=24.0,
-    show_default=True, type=click.FloatRange(min=1.0),
+    show_default=True, show_envvar=True, type=click.FloatRange(min=1.0),
     help="Keep Idempotency-Keys at least this long before the janitor forgets them.")
 
 
@@ -59,16 +65,26 @@ def with_http(f: Any) -> Any:
 
 
 class _Group(click.Group):
-    """The top-level group: a schema the runner refuses is a message, not a traceback."""
+    """The top-level group: a user's error (a database that is not there or does not
+    answer, a schema the runner refuses, a data directory that cannot be made) is a
+    message and exit code 1, not a traceback."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except errors.MigrationError as exc:
+        except errors.PgReserveError as exc:
             raise click.ClickException(exc.message) from None
+        except psycopg.OperationalError as exc:
+            raise click.ClickException(f"database error: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 @click.group(cls=_Group)
+@click.version_option(package_name="pgreserve", message="%(prog)s %(version)s")
 @click.option("-v", "--verbose", is_flag=True, help="Log more.")
 def main(verbose: bool) -> None:
     """pgreserve: inventory reservations inside PostgreSQL."""
@@ -79,8 +95,9 @@ def main(verbose: bool) -> None:
 @main.command()
 @with_db
 def migrate(database_url: str | None, data_dir: str | None) -> None:
-    """Apply pending schema migrations (safe to run concurrently and repeatedly)."""
-    with _dsn(database_url, data_dir) as dsn:
+    """Apply pending schema migrations (safe to run concurrently and repeatedly); creates
+    the embedded database when the data directory has none."""
+    with _dsn(database_url, data_dir, create=True) as dsn:
         applied = migrations.migrate_all(dsn)
     for m in applied.migrations:
         click.echo(f"applied {m.version:04d}_{m.name}")
@@ -98,9 +115,26 @@ def db() -> None:
 @db.command("url")
 @with_db
 def db_url(database_url: str | None, data_dir: str | None) -> None:
-    """Print the DSN (starts the embedded server if it is not running)."""
-    with _dsn(database_url, data_dir) as dsn:
-        click.echo(dsn)
+    """Print the DSN of the running embedded server (or the given URL, checked).
+
+    The embedded server's DSN works only while it runs (`pgreserve up`): when no server
+    runs on the data directory this exits 1 and starts nothing."""
+    from .config import embedded_running_dsn
+
+    if database_url or os.environ.get("PGRESERVE_DATABASE_URL"):
+        with _dsn(database_url, data_dir) as dsn:
+            click.echo(dsn)
+        return
+    dsn = embedded_running_dsn(data_dir)
+    if dsn is None:
+        where = data_dir_from_env(data_dir)
+        state = ("no database" if not (where / "PG_VERSION").exists()
+                 else "a database, but no server runs on it")
+        raise click.ClickException(
+            f"{where} holds {state}; its address is valid only while `pgreserve up` "
+            f"(or another pgreserve command) runs on it. Start `pgreserve up --data-dir "
+            f"{where}` and ask again, or pass --data-dir / --database-url.")
+    click.echo(dsn)
 
 
 @main.group()
@@ -135,6 +169,29 @@ def tenant_create(name: str, as_json: bool, database_url: str | None,
     else:
         click.echo(f"tenant {created.name!r} created (id {created.id})")
         click.echo(f"API key (shown only now): {key}")
+
+
+@tenant.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@with_db
+def tenant_list(as_json: bool, database_url: str | None, data_dir: str | None) -> None:
+    """Every tenant: id, name and when it was created (never a key)."""
+
+    async def go(dsn: str) -> Any:
+        async with Database(dsn, min_size=1, max_size=1) as database:
+            return await ReservationService(database).tenants()
+
+    with _dsn(database_url, data_dir) as dsn:
+        migrations.migrate(dsn)
+        rows = asyncio.run(go(dsn))
+    if as_json:
+        click.echo(json.dumps([{"id": t.id, "name": t.name, "created_at": at.isoformat()}
+                               for t, at in rows]))
+        return
+    if not rows:
+        click.echo("no tenants")
+    for t, at in rows:
+        click.echo(f"{t.id:>6}  {t.name}  created {at.isoformat()}")
 
 
 @tenant.command("key")
@@ -225,6 +282,20 @@ def webhook_list(tenant_name: str, as_json: bool, database_url: str | None,
         click.echo(f"{r['id']}  {r['url']}  {state}")
 
 
+@webhook.command("delete")
+@click.argument("tenant_name", metavar="TENANT")
+@click.argument("webhook_id", metavar="ID")
+@with_db
+def webhook_delete(tenant_name: str, webhook_id: str, database_url: str | None,
+                   data_dir: str | None) -> None:
+    """Remove TENANT's webhook endpoint ID (`webhook list` shows the ids); nothing more is
+    sent to it."""
+    with _dsn(database_url, data_dir) as dsn:
+        migrations.migrate(dsn)
+        _tenant_service_call(dsn, tenant_name, lambda s, t: s.delete_webhook(t, webhook_id))
+    click.echo(f"webhook {webhook_id} deleted")
+
+
 @main.command()
 @with_db
 @retention_option
@@ -245,7 +316,8 @@ def up(database_url: str | None, data_dir: str | None, host: str, port: int,
        key_retention_hours: float) -> None:
     """Start everything: the database (embedded unless a URL is given), migrated, the HTTP API
     and the workers, in one process."""
-    with _dsn(database_url, data_dir) as dsn:
+    _check_listen(host, port)
+    with _dsn(database_url, data_dir, create=True) as dsn:
         applied = migrations.migrate(dsn)
         for m in applied:
             console.print(f"applied migration {m.version:04d}_{m.name}")
@@ -264,6 +336,7 @@ def up(database_url: str | None, data_dir: str | None, host: str, port: int,
 def serve(database_url: str | None, data_dir: str | None, host: str, port: int,
           processes: int) -> None:
     """Run the HTTP API only (run `pgreserve worker` beside it)."""
+    _check_listen(host, port)
     with _dsn(database_url, data_dir) as dsn:
         migrations.migrate(dsn)
         if processes == 1:
@@ -271,8 +344,6 @@ def serve(database_url: str | None, data_dir: str | None, host: str, port: int,
 
             run(_run(dsn, http=(host, port), workers=False, announce=True))
         else:
-            import os
-
             os.environ["PGRESERVE_DATABASE_URL"] = dsn
             # prometheus_client multiprocess mode: each worker writes its values
             # to files in this directory and /metrics aggregates them.
@@ -320,9 +391,9 @@ async def _run(dsn: str, *, http: tuple[str, int] | None, workers: bool,
             if announce and server.started:
                 url = f"http://{http[0]}:{http[1]}"
                 console.print(f"[bold green]pgreserve is up[/] API: {url}  (docs: {url}/docs)")
-                console.print(f"database: {dsn}")
+                console.print(f"database: {mask_password(dsn)}", highlight=False)
                 console.print("create a tenant and its API key with:  pgreserve tenant create "
-                              "NAME  (with the same --data-dir / --database-url)")
+                              f"NAME{_same_database_hint(dsn)}", highlight=False)
                 console.print("Press Ctrl-C to stop.")
         elif announce:
             console.print("workers: expiry sweeper, pool replenisher, key janitor, webhook "
@@ -486,8 +557,36 @@ from .bench.cli import bench  # noqa: E402  (the bench group imports the core, n
 main.add_command(bench)
 
 
-def _dsn(database_url: str | None, data_dir: str | None) -> Any:
-    return database_url_ctx(database_url, data_dir)
+def _dsn(database_url: str | None, data_dir: str | None, *, create: bool = False) -> Any:
+    """The database of a command; only `up` and `migrate` may create an embedded one."""
+    return database_url_ctx(database_url, data_dir, create=create)
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Fail with a message, before anything starts, when host:port cannot be listened on."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(addr)
+        except OSError as exc:
+            raise click.ClickException(
+                f"cannot listen on {host}:{port}: {exc.strerror or exc}; stop what uses it "
+                f"or pass --port N (PGRESERVE_PORT)") from None
+
+
+def _same_database_hint(dsn: str) -> str:
+    """How another command reaches the database `dsn` names."""
+    host = psycopg.conninfo.conninfo_to_dict(dsn).get("host")
+    if host and str(host).startswith("/") and (Path(str(host)) / "PG_VERSION").exists():
+        return f" --data-dir {host}"
+    return "  (with the same --database-url / PGRESERVE_DATABASE_URL)"
 
 
 database_url_ctx = database_url

@@ -89,5 +89,18 @@ class OutcomeUnknown(PgReserveError):
     retryable = True
 
 
+class NoDatabase(PgReserveError):
+    """The command was pointed at no usable database (nothing there, or a malformed URL)."""
+
+    code = "no_database"
+
+
+class DatabaseUnavailable(PgReserveError):
+    """The database server does not answer (refused, unknown host, bad credentials)."""
+
+    code = "database_unavailable"
+    retryable = True
+
+
 class MigrationError(PgReserveError):
     code = "migration_error"

@@ -72,6 +72,7 @@ STATUS: dict[type[errors.PgReserveError], tuple[int, str]] = {
     errors.ReservationNotActive: (409, "Reservation is not active"),
     errors.Busy: (503, "Busy, retry later"),
     errors.OutcomeUnknown: (503, "Outcome unknown, retry with the same Idempotency-Key"),
+    errors.DatabaseUnavailable: (503, "Database unavailable"),
     Unauthorized: (401, "Unauthorized"),
     IdempotencyKeyMissing: (400, "Idempotency-Key header required"),
     RequestInProgress: (409, "A request with this Idempotency-Key is in progress"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import Coroutine, Generator
 from typing import Any, TypeVar
 
@@ -61,6 +62,14 @@ class ApiServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's serve, except that a failed startup (a port in use) returns with
+        `started` False instead of raising SystemExit out of the caller's task."""
+        try:
+            await super().serve(sockets)
+        except SystemExit:
+            self.should_exit = True
 
     async def wait_started(self, stop: asyncio.Event) -> None:
         """Return once the socket is listening, startup failed, or a stop was asked for."""
