@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import shutil
 import subprocess
 import tempfile
 import time
@@ -15,10 +14,11 @@ import httpx
 import psycopg
 import pytest
 
+import toolcheck
 from pgreserve import ReservationService, Tenant
 from test_http_schema import Served
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM = toolcheck.find("chromium")
 
 
 class Tables(HTMLParser):
@@ -85,8 +85,7 @@ def test_page_is_self_contained(dsn: str) -> None:
     assert not re.search(r"\b(src|href)\s*=", page) and "<script" not in page
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed "
-                    "(.ci/run installs it); this test renders /ops in headless Chromium")
+@pytest.mark.skipif(CHROMIUM is None, reason=toolcheck.TOOLS["chromium"].reason)
 async def test_ops_page_in_chromium_shows_the_database_figures(
         service: ReservationService, tenant: Tenant, dsn: str) -> None:
     """Chromium renders /ops with the hot bucket's pool and held units, the reservations
