@@ -24,6 +24,34 @@ KEYED_REQUIRED = {("post", "/v1/reservations"),
                   ("post", "/v1/stock/{location}/{sku}/adjustments")}
 
 
+# Stable operation ids (what generated clients name their methods), by handler; a
+# handler not listed gets its name in camelCase.
+OPERATION_IDS = {
+    "put_stock": "setStock",
+    "get_stock": "getStock",
+    "adjust_stock": "adjustStock",
+    "reserve": "createReservation",
+    "get_reservation": "getReservation",
+    "claim": "claimReservation",
+    "release": "releaseReservation",
+    "extend": "extendReservation",
+    "events": "listEvents",
+    "list_webhooks": "listWebhooks",
+    "add_webhook": "createWebhook",
+    "delete_webhook": "deleteWebhook",
+    "healthz": "getHealth",
+    "prometheus": "getMetrics",
+}
+
+
+def operation_id(route: APIRoute) -> str:
+    """FastAPI's generate_unique_id_function: the route's stable operation id."""
+    if route.name in OPERATION_IDS:
+        return OPERATION_IDS[route.name]
+    head, *rest = route.name.split("_")
+    return head + "".join(word.capitalize() for word in rest)
+
+
 def openapi_schema(app: FastAPI) -> dict[str, Any]:
     """The app's document, built once and cached on the app."""
     if app.openapi_schema:
