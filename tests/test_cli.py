@@ -164,11 +164,15 @@ def test_commands_other_than_up_and_migrate_refuse_to_create_a_database(
 
 
 def test_migrate_creates_the_embedded_database(short_dir: Path) -> None:
-    """`migrate` (like `up`) creates the embedded database in a new data directory."""
+    """`migrate` (like `up`) creates the embedded database in a new data directory; once
+    it has exited, `db url` says no server runs there instead of printing a dead address."""
     result = pgr("migrate", "--data-dir", str(short_dir / "data"))
     assert result.returncode == 0, result.stderr
     assert "applied 0001_baseline" in result.stdout
     assert (short_dir / "data" / "PG_VERSION").exists()
+    printed = pgr("db", "url", "--data-dir", str(short_dir / "data"))
+    assert printed.returncode == 1 and printed.stdout == ""
+    assert "holds a database, but no server runs on it" in printed.stderr
 
 
 def test_db_url_without_a_running_server_says_so_and_starts_nothing(short_dir: Path) -> None:
