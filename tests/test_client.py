@@ -240,3 +240,29 @@ def test_retries_are_bounded_and_then_raise(dsn: str) -> None:
                 backoff=0.01) as shop, pytest.raises(httpx.ConnectError):
         shop.get_stock("tee", "berlin")
     assert len(attempts) == 3
+
+
+
+def test_a_key_with_quotes_and_backslashes_reaches_the_server_as_itself(
+        server: tuple[str, str]) -> None:
+    """The client sends its key as a structured-field string, so a key with backslashes is
+    the key a bare header names, and one that starts with a quote is what its hand-written
+    sf-string names."""
+    base, key = server
+    cart = {"lines": [{"sku": "tee", "location": "berlin", "quantity": 1}], "ttl_seconds": 900}
+
+    def by_hand(header: str) -> httpx.Response:
+        return httpx.post(f"{base}/v1/reservations", json=cart, timeout=30,
+                          headers={"Authorization": f"Bearer {key}", "Idempotency-Key": header})
+
+    with Client(base, key) as shop:
+        shop.set_stock("tee", "berlin", 5)
+        slashed = shop.reserve([("tee", "berlin", 1)], idempotency_key="a\\b")
+        quoted = shop.reserve([("tee", "berlin", 1)], idempotency_key='"order" 7')
+    assert slashed.reservation is not None and quoted.reservation is not None
+    bare = by_hand("a\\b")
+    assert bare.headers["idempotent-replayed"] == "true"
+    assert bare.json()["id"] == slashed.reservation.id
+    escaped = by_hand('"\\"order\\" 7"')
+    assert escaped.headers["idempotent-replayed"] == "true"
+    assert escaped.json()["id"] == quoted.reservation.id

@@ -150,7 +150,16 @@ class _Call:
     ok: tuple[int, ...] = (200,)
 
     def headers(self) -> dict[str, str]:
-        return {"Idempotency-Key": self.key} if self.key is not None else {}
+        return {"Idempotency-Key": sf_string(self.key)} if self.key is not None else {}
+
+
+def sf_string(key: str) -> str:
+    """`key` as a structured-field string (`"..."`, `\\` and `"` escaped), the draft's form
+    of the Idempotency-Key header: any printable-ASCII key, quotes included, arrives as
+    itself. Other keys are sent bare."""
+    if all(" " <= ch <= "~" for ch in key):
+        return '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return key
 
 
 def _path(*parts: str) -> str:
