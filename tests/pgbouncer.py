@@ -25,8 +25,9 @@ def free_port() -> int:
 class PgBouncer:
     """pgbouncer started in the foreground as the server's system user (it refuses root)."""
 
-    def __init__(self, server: EmbeddedServer) -> None:
+    def __init__(self, server: EmbeddedServer, pool_size: int = 40) -> None:
         self.server = server
+        self.pool_size = pool_size
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="pgreserve-pgbouncer-"))
         self.proc: subprocess.Popen[bytes] | None = None
@@ -48,7 +49,7 @@ auth_type = trust
 auth_file = {self.dir}/users.txt
 pool_mode = transaction
 max_client_conn = 1000
-default_pool_size = 40
+default_pool_size = {self.pool_size}
 max_db_connections = 60
 server_reset_query =
 ignore_startup_parameters = extra_float_digits,options

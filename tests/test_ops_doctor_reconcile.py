@@ -167,3 +167,30 @@ async def test_reconcile_repair_expires_overdue_holds_only(service: ReservationS
     out = CliRunner().invoke(main, ["reconcile", "--repair", "--database-url", dsn])
     assert out.exit_code == 1 and "DRIFT ledger_mismatch" in out.output
     assert reconcile(dsn).drifts[0].kind == "ledger_mismatch"
+
+
+def test_doctor_checks_slow_statement_and_lock_wait_logging(dsn: str) -> None:
+    """doctor reports log_min_duration_statement (ok at the design's 200ms; warn when
+    disabled, logging everything, or above 200ms) and log_lock_waits (fail when off), as
+    this database's sessions get them."""
+    from psycopg import sql
+
+    code, found = run_doctor(dsn)
+    assert found["log_min_duration_statement"]["status"] == "ok"
+    assert found["log_min_duration_statement"]["found"] == "200ms"
+    assert found["log_lock_waits"]["status"] == "ok"
+    name = sql.Identifier(str(psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]))
+    for value, shown in (("-1", "-1 (disabled)"), ("0", "0 (every statement)"),
+                         ("'5s'", "5000ms")):
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("ALTER DATABASE {} SET log_min_duration_statement = {}")
+                         .format(name, sql.SQL(value)))
+        code, found = run_doctor(dsn)
+        assert found["log_min_duration_statement"]["status"] == "warn", value
+        assert found["log_min_duration_statement"]["found"] == shown
+        assert "200ms" in found["log_min_duration_statement"]["fix"]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("ALTER DATABASE {} SET log_lock_waits = off").format(name))
+    code, found = run_doctor(dsn)
+    assert code == 1
+    assert (found["log_lock_waits"]["status"], found["log_lock_waits"]["found"]) == ("fail", "off")

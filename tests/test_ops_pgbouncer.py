@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import psycopg
+import pytest
+from click.testing import CliRunner
+from prometheus_client import CollectorRegistry
 
 from conftest import ApiTenant
 from pgbouncer import PgBouncer
+from pgreserve import Database
+from pgreserve.cli import main
+from pgreserve.db.embedded import EmbeddedServer
+from pgreserve.ops.pgbouncer import PgBouncerMonitor
 
 
 def bouncer_stats(bouncer: PgBouncer, database: str) -> dict[str, int]:
@@ -66,3 +78,87 @@ async def test_role_pools_keep_their_application_name_through_pgbouncer(
         assert (await svc.reserve(tenant.id, "k", [("s", "wh", 1)])).held
         with psycopg.connect(dsn, autocommit=True) as conn:
             assert conn.execute("SELECT app FROM seen").fetchall() == [("pgreserve:reserve",)]
+
+
+@pytest.fixture(scope="module")
+def tight_bouncer(pg_server: EmbeddedServer) -> Iterator[PgBouncer]:
+    """A second real PgBouncer whose pools have one server connection each."""
+    if shutil.which("pgbouncer") is None and not Path("/usr/sbin/pgbouncer").exists():
+        pytest.skip("pgbouncer is not installed (Debian package pgbouncer; .ci/run installs it)")
+    bouncer = PgBouncer(pg_server, pool_size=1).start()
+    yield bouncer
+    bouncer.stop()
+
+
+def doctor_findings(dsn: str, admin_url: str) -> tuple[int, dict[str, dict[str, str]]]:
+    result = CliRunner().invoke(main, ["doctor", "--json", "--database-url", dsn,
+                                       "--pgbouncer-admin-url", admin_url])
+    doc = json.loads(result.output)
+    return result.exit_code, {f["check"]: f for f in doc["findings"]}
+
+
+async def test_a_client_waiting_in_pgbouncer_shows_in_doctor_and_metrics(
+        dsn: str, db: Database, tight_bouncer: PgBouncer) -> None:
+    """Pool size 1, one client holding a transaction and another waiting: SHOW POOLS has
+    cl_waiting = 1, which the monitor's gauges, /metrics and doctor (a warning naming
+    cl_waiting and maxwait) all show; once the holder commits they show none waiting."""
+    from pgreserve.http import create_app
+
+    name = str(psycopg.conninfo.conninfo_to_dict(dsn)["dbname"])
+    url, admin = tight_bouncer.dsn(name), tight_bouncer.dsn("pgbouncer")
+    registry = CollectorRegistry()
+    monitor = PgBouncerMonitor(admin, registry)
+    labels = {"database": name, "user": "postgres"}
+    with psycopg.connect(url, prepare_threshold=None) as holder:
+        holder.execute("SELECT 1")  # a transaction open: the pool's one server connection
+        waiter = await psycopg.AsyncConnection.connect(url, prepare_threshold=None,
+                                                       autocommit=True)
+        waiting = asyncio.create_task(waiter.execute("SELECT 1"))
+        deadline = time.monotonic() + 15
+        while registry.get_sample_value("pgreserve_pgbouncer_clients_waiting", labels) != 1:
+            assert time.monotonic() < deadline, "PgBouncer never showed the waiting client"
+            await monitor.refresh()
+            await asyncio.sleep(0.05)
+        assert registry.get_sample_value("pgreserve_pgbouncer_up") == 1
+        assert registry.get_sample_value("pgreserve_pgbouncer_servers_active", labels) == 1
+        assert registry.get_sample_value("pgreserve_pgbouncer_max_wait_seconds",
+                                          labels) is not None
+        assert not waiting.done()
+
+        _, found = doctor_findings(dsn, admin)
+        waiting_finding = found["pgbouncer clients waiting"]
+        assert waiting_finding["status"] == "warn"
+        assert f"{name}/postgres: cl_waiting=1, maxwait=" in waiting_finding["found"]
+        assert found["pgbouncer pool_mode"]["status"] == "ok"
+
+        app = create_app(database=db, pgbouncer_admin_url=admin)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            text = (await client.get("/metrics")).text
+        await app.state.pgbouncer.close()
+        assert (f'pgreserve_pgbouncer_clients_waiting{{database="{name}",user="postgres"}} 1.0'
+                in text)
+        holder.commit()
+    await waiting
+    await waiter.close()
+    await monitor.refresh()
+    assert registry.get_sample_value("pgreserve_pgbouncer_clients_waiting", labels) == 0
+    _, found = doctor_findings(dsn, admin)
+    assert found["pgbouncer clients waiting"]["status"] == "ok"
+    await monitor.close()
+
+
+async def test_an_unreachable_pgbouncer_console_fails_doctor_and_zeroes_up(dsn: str) -> None:
+    """A PgBouncer admin URL nobody listens on: doctor fails that check (exit 1) and the
+    monitor reports pgreserve_pgbouncer_up 0 with no pool figures."""
+    from pgbouncer import free_port
+
+    admin = f"postgresql://postgres@127.0.0.1:{free_port()}/pgbouncer"
+    code, found = doctor_findings(dsn, admin)
+    assert code == 1
+    assert found["pgbouncer admin console"]["status"] == "fail"
+    registry = CollectorRegistry()
+    monitor = PgBouncerMonitor(admin, registry)
+    report = await monitor.refresh()
+    assert report.pools == ()
+    assert registry.get_sample_value("pgreserve_pgbouncer_up") == 0

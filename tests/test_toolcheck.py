@@ -35,5 +35,5 @@ def test_a_run_without_the_optional_programs_says_what_skips_and_counts_it() -> 
     summary = rest.partition("skipped tests per reason")[2]
     assert f"    3 skipped: {toolcheck.TOOLS['pgbouncer'].reason}" in summary, text
     assert f"    1 skipped: {toolcheck.TOOLS['chromium'].reason}" in summary, text
-    assert text.strip().splitlines()[-1].strip("= ").startswith("4 skipped")
+    assert " 4 skipped" in text.strip().splitlines()[-1]
 

@@ -1,7 +1,7 @@
 """pgreserve: inventory reservations inside PostgreSQL."""
 
 from .core.service import ReservationService
-from .db.database import Database, TxSettings
+from .db.database import Database, TxSettings, deadline
 from .domain import Line, Reservation, ReserveOutcome, Status, StockView, Strategy, Tenant
 from .errors import *  # noqa: F403  (the typed errors are part of the public API)
 
@@ -18,4 +18,5 @@ __all__ = [
     "Strategy",
     "Tenant",
     "TxSettings",
+    "deadline",
 ]

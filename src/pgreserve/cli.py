@@ -58,10 +58,38 @@ retention_option = click.option(
     help="Keep Idempotency-Keys at least this long before the janitor forgets them.")
 
 
+pgbouncer_option = click.option(
+    "--pgbouncer-admin-url", envvar="PGRESERVE_PGBOUNCER_ADMIN_URL", default=None,
+    show_envvar=True,
+    help="PgBouncer's admin console (postgresql://USER@HOST:PORT/pgbouncer); its pool "
+         "figures are then checked (doctor) or exported (/metrics).")
+
+http_options += [
+    click.option("--request-deadline-seconds", envvar="PGRESERVE_REQUEST_DEADLINE_SECONDS",
+                 default=5.0, show_default=True, show_envvar=True,
+                 type=click.FloatRange(0.1, 600),
+                 help="Every request's deadline: the wait for a connection, the transaction's "
+                      "statement_timeout and every retry fit inside it (past it: 503 busy, "
+                      "not run)."),
+    click.option("--tenant-max-in-flight", envvar="PGRESERVE_TENANT_MAX_IN_FLIGHT", default=0,
+                 show_default=True, show_envvar=True, type=click.IntRange(0, 1_000_000),
+                 help="At most this many requests of one tenant at once per API process "
+                      "(429 beyond); 0: no limit."),
+    pgbouncer_option,
+]
+
+
 def with_http(f: Any) -> Any:
     for option in reversed(http_options):
         f = option(f)
     return f
+
+
+def _api_options(request_deadline_seconds: float, tenant_max_in_flight: int,
+                 pgbouncer_admin_url: str | None) -> dict[str, Any]:
+    return {"request_deadline_s": request_deadline_seconds,
+            "tenant_max_in_flight": tenant_max_in_flight,
+            "pgbouncer_admin_url": pgbouncer_admin_url}
 
 
 class _Group(click.Group):
@@ -313,7 +341,8 @@ def worker(database_url: str | None, data_dir: str | None, key_retention_hours: 
 @with_http
 @retention_option
 def up(database_url: str | None, data_dir: str | None, host: str, port: int,
-       key_retention_hours: float) -> None:
+       request_deadline_seconds: float, tenant_max_in_flight: int,
+       pgbouncer_admin_url: str | None, key_retention_hours: float) -> None:
     """Start everything: the database (embedded unless a URL is given), migrated, the HTTP API
     and the workers, in one process."""
     _check_listen(host, port)
@@ -324,7 +353,9 @@ def up(database_url: str | None, data_dir: str | None, host: str, port: int,
         from .http.server import run
 
         run(_run(dsn, http=(host, port), workers=True,
-                 key_retention_hours=key_retention_hours, announce=True))
+                 key_retention_hours=key_retention_hours, announce=True,
+                 api_options=_api_options(request_deadline_seconds, tenant_max_in_flight,
+                                          pgbouncer_admin_url)))
     console.print("pgreserve stopped cleanly")
 
 
@@ -334,17 +365,26 @@ def up(database_url: str | None, data_dir: str | None, host: str, port: int,
 @click.option("--workers", "processes", default=1, show_default=True,
               type=click.IntRange(1, 64), help="HTTP server processes.")
 def serve(database_url: str | None, data_dir: str | None, host: str, port: int,
-          processes: int) -> None:
+          request_deadline_seconds: float, tenant_max_in_flight: int,
+          pgbouncer_admin_url: str | None, processes: int) -> None:
     """Run the HTTP API only (run `pgreserve worker` beside it)."""
     _check_listen(host, port)
+    api_options = _api_options(request_deadline_seconds, tenant_max_in_flight,
+                               pgbouncer_admin_url)
     with _dsn(database_url, data_dir) as dsn:
         migrations.migrate(dsn)
         if processes == 1:
             from .http.server import run
 
-            run(_run(dsn, http=(host, port), workers=False, announce=True))
+            run(_run(dsn, http=(host, port), workers=False, announce=True,
+                     api_options=api_options))
         else:
             os.environ["PGRESERVE_DATABASE_URL"] = dsn
+            # each process's create_app reads these (http/app.py admission_from_env)
+            os.environ["PGRESERVE_REQUEST_DEADLINE_SECONDS"] = str(request_deadline_seconds)
+            os.environ["PGRESERVE_TENANT_MAX_IN_FLIGHT"] = str(tenant_max_in_flight)
+            if pgbouncer_admin_url:
+                os.environ["PGRESERVE_PGBOUNCER_ADMIN_URL"] = pgbouncer_admin_url
             # prometheus_client multiprocess mode: each worker writes its values
             # to files in this directory and /metrics aggregates them.
             if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
@@ -360,7 +400,8 @@ def serve(database_url: str | None, data_dir: str | None, host: str, port: int,
 
 
 async def _run(dsn: str, *, http: tuple[str, int] | None, workers: bool,
-               key_retention_hours: float = 24.0, announce: bool = False) -> None:
+               key_retention_hours: float = 24.0, announce: bool = False,
+               api_options: dict[str, Any] | None = None) -> None:
     """Run the API and/or the workers in this event loop until SIGINT or SIGTERM."""
     from datetime import timedelta
 
@@ -385,7 +426,7 @@ async def _run(dsn: str, *, http: tuple[str, int] | None, workers: bool,
         if http is not None:
             from .http.server import ApiServer
 
-            server = ApiServer(dsn, *http, monitor=True)
+            server = ApiServer(dsn, *http, monitor=True, **(api_options or {}))
             tasks.append(asyncio.create_task(server.serve()))
             await server.wait_started(stop)
             if announce and server.started:
@@ -422,8 +463,9 @@ async def _run(dsn: str, *, http: tuple[str, int] | None, workers: bool,
               help="Connections per business-process pool (PGRESERVE_POOL_SIZE).")
 @click.option("--processes", default=1, show_default=True, type=click.IntRange(1, 256),
               help="API processes that will connect (serve --workers).")
+@pgbouncer_option
 def doctor(database_url: str | None, data_dir: str | None, as_json: bool, pool_size: int,
-           processes: int) -> None:
+           processes: int, pgbouncer_admin_url: str | None) -> None:
     """Check the database's settings against what pgreserve needs; print each fix.
 
     Reports what the server has (never what pgreserve would set); exit code 1
@@ -431,7 +473,8 @@ def doctor(database_url: str | None, data_dir: str | None, as_json: bool, pool_s
     from .ops import doctor as doc
 
     with _dsn(database_url, data_dir) as dsn:
-        findings = doc.diagnose(dsn, pool_size=pool_size, processes=processes)
+        findings = doc.diagnose(dsn, pool_size=pool_size, processes=processes,
+                                pgbouncer_admin_url=pgbouncer_admin_url)
     if as_json:
         click.echo(json.dumps(doc.as_json(findings), indent=2))
     else:

@@ -9,7 +9,8 @@
             shop.claim(out.reservation.id)
 
 Every write carries an Idempotency-Key (the caller's, or one made per call), so a
-retry after a lost reply, a 503 (busy, outcome unknown) or a dropped connection gets
+retry after a lost reply, a 503 (busy, outcome unknown), a 429 (the tenant's
+in-flight limit) or a dropped connection gets
 the stored outcome instead of acting twice. Retries are bounded (`retries`), with
 exponential backoff and jitter, and wait at least what a Retry-After header asks
 (up to `max_backoff`). Errors are the typed errors of `pgreserve.errors` (and
@@ -96,14 +97,18 @@ def error_from_response(response: httpx.Response) -> errors.PgReserveError:
 
 
 def _retryable(response: httpx.Response) -> bool:
-    if response.status_code in _RETRY_STATUS:
-        return True
-    if response.status_code == 409:  # request_in_progress: the same key is being served
-        try:
-            return response.json().get("code") in _RETRY_CODES
-        except (ValueError, AttributeError):
-            return False
-    return False
+    """Busy, outcome unknown, database unavailable (503), a tenant over its limit (429),
+    the same key in progress (409): every answer whose code is retryable; and a proxy's
+    502/503/504 without one."""
+    if response.status_code < 400:
+        return False
+    try:
+        code = response.json().get("code")
+    except (ValueError, AttributeError):
+        code = None
+    if code is not None:
+        return code in _RETRY_CODES
+    return response.status_code in _RETRY_STATUS
 
 
 def _retry_after(response: httpx.Response | None) -> float:

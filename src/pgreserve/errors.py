@@ -76,14 +76,17 @@ class ReservationNotActive(PgReserveError):
 
 
 class Busy(PgReserveError):
-    """A lock or statement timeout fired, or retries ran out: safe to retry later."""
+    """The work could not be started or finished in time (no connection free before the
+    deadline, a lock or statement timeout, retries ran out) and nothing was committed:
+    safe to retry later."""
 
     code = "busy"
     retryable = True
 
 
 class OutcomeUnknown(PgReserveError):
-    """The connection died around COMMIT; retry with the same request key to learn the outcome."""
+    """The statement was sent and its connection was lost before the answer came (it may
+    have committed); retry with the same request key to learn the outcome."""
 
     code = "outcome_unknown"
     retryable = True
@@ -95,10 +98,17 @@ class NoDatabase(PgReserveError):
     code = "no_database"
 
 
-class DatabaseUnavailable(PgReserveError):
-    """The database server does not answer (refused, unknown host, bad credentials)."""
+class DatabaseUnavailable(Busy):
+    """A read lost its database connection and could not be read again in time. Reads
+    change nothing (a write whose routing read failed was not started): a Busy."""
 
     code = "database_unavailable"
+
+
+class TooManyRequests(PgReserveError):
+    """This tenant already has as many requests in flight as it may; nothing was done."""
+
+    code = "too_many_requests"
     retryable = True
 
 

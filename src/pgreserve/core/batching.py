@@ -9,6 +9,11 @@ request gets its own answer from the batch. A batch whose call fails as a whole
 split in halves and each half sent again, so one poison request cannot fail the
 others. A full queue answers `Busy` at once.
 
+Deadlines: each request keeps its caller's deadline (`db.database.deadline`).
+One whose deadline passes while it is queued is answered `Busy` and never sent;
+the wait for the drain's connection is bounded by the earliest deadline queued,
+and a batch's call runs under the earliest deadline of its requests.
+
 Several processes may batch the same bucket: their batches serialise on the
 bucket's row lock, and requests with one key on the key's advisory lock, as the
 unbatched calls do.
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -27,7 +33,7 @@ from typing import Any
 
 from .. import errors
 from ..db import literals as lit
-from ..db.database import Database, Op, Session
+from ..db.database import Database, Op, Session, current_deadline, deadline_at
 from ..db.queries import queries
 
 log = logging.getLogger(__name__)
@@ -88,7 +94,8 @@ class BatchStats:
         return max(self.sizes)
 
 
-_Pending = tuple[BatchRequest, "asyncio.Future[dict[str, Any]]"]
+# A queued request, its caller's answer and its deadline (monotonic, or None).
+_Pending = tuple[BatchRequest, "asyncio.Future[dict[str, Any]]", float | None]
 
 
 class Combiner:
@@ -123,24 +130,36 @@ class Combiner:
                               "retry later")
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         future.add_done_callback(_retrieve)
-        queue.append((request, future))
+        queue.append((request, future, current_deadline()))
         if key not in self._tasks:
             self._tasks[key] = asyncio.create_task(self._drain(key))
         return await asyncio.shield(future)
 
     async def _drain(self, key: tuple[int, int]) -> None:
         queue = self._queues[key]
+        # This task was created in its first caller's context: its deadline is
+        # not the drain's. Each wait and batch below names its own.
+        with deadline_at(None):
+            await self._drain_queue(key, queue)
+
+    async def _drain_queue(self, key: tuple[int, int], queue: deque[_Pending]) -> None:
         try:
             while queue:
                 # A hot bucket's batches run back to back on one session: its
                 # compiled function and plans stay warm, no checkout per batch.
                 # When others wait for a connection of the pool, the session is
                 # handed back after the batch and taken again in turn.
-                async with self.db.session(BATCH_OP) as session:
+                self._drop_late(queue)
+                if not queue:
+                    break
+                session = self.db.session(BATCH_OP)
+                with deadline_at(_earliest(queue)):
+                    await session.connection()
+                async with session:
                     while queue:
-                        take = min(len(queue), self.config.max_batch)
-                        batch = [queue.popleft() for _ in range(take)]
-                        await self._send(key, batch, session)
+                        batch = self._next_batch(queue)
+                        if batch:
+                            await self._send(key, batch, session)
                         if session.lost or session.contended():
                             break
         except Exception as exc:  # noqa: BLE001 (_send answers its own batch's errors)
@@ -157,6 +176,32 @@ class Combiner:
             if not queue:
                 self._queues.pop(key, None)
 
+    def _drop_late(self, queue: deque[_Pending]) -> None:
+        """Answer Busy to the queued requests past their deadline (never sent)."""
+        now = time.monotonic()
+        late = [p for p in queue if p[2] is not None and p[2] <= now]
+        if late:
+            kept = [p for p in queue if p[2] is None or p[2] > now]
+            queue.clear()
+            queue.extend(kept)
+            self.stats.busy += len(late)
+            _fail(late, _late_busy())
+
+    def _next_batch(self, queue: deque[_Pending]) -> list[_Pending]:
+        """Up to max_batch queued requests; those past their deadline are answered
+        Busy instead (they were never sent)."""
+        batch: list[_Pending] = []
+        now = time.monotonic()
+        while queue and len(batch) < self.config.max_batch:
+            pending = queue.popleft()
+            end = pending[2]
+            if end is not None and end <= now:
+                self.stats.busy += 1
+                _fail([pending], _late_busy())
+            else:
+                batch.append(pending)
+        return batch
+
     async def _send(self, key: tuple[int, int], batch: Sequence[_Pending],
                     session: Session) -> None:
         try:
@@ -172,7 +217,7 @@ class Combiner:
     async def _send_once(self, key: tuple[int, int], batch: Sequence[_Pending],
                          session: Session) -> None:
         tenant, bucket = key
-        requests = [r for r, _ in batch]
+        requests = [r for r, _, _ in batch]
         try:
             answers = await self.db.call(queries["bucket_batch"], (
                 tenant, bucket,
@@ -184,7 +229,7 @@ class Combiner:
                                         for r in requests),
                 lit.nullable_text_array(None if r.reservation_id is None
                                         else str(r.reservation_id) for r in requests),
-                self.clock()), op=BATCH_OP, session=session)
+                self.clock()), op=BATCH_OP, session=session, deadline=_earliest(batch))
         except (errors.Busy, errors.OutcomeUnknown) as exc:
             # shared by every request of the batch: each resolves it by its key
             _fail(batch, exc)
@@ -205,13 +250,24 @@ class Combiner:
         if not isinstance(answers, list) or len(answers) != len(batch):
             _fail(batch, RuntimeError("bucket_batch_v1 answered a different number of requests"))
             return
-        for (_, future), answer in zip(batch, answers, strict=True):
+        for (_, future, _), answer in zip(batch, answers, strict=True):
             if not future.done():
                 future.set_result(answer)
 
 
+def _late_busy() -> errors.Busy:
+    return errors.Busy("the request deadline passed while it waited for its bucket's "
+                       "batch; it was not sent, retry later")
+
+
+def _earliest(batch: Sequence[_Pending] | deque[_Pending]) -> float | None:
+    """The earliest deadline of these requests (None: none has one)."""
+    ends = [end for _, _, end in batch if end is not None]
+    return min(ends) if ends else None
+
+
 def _fail(batch: Sequence[_Pending], exc: BaseException) -> None:
-    for _, future in batch:
+    for _, future, _ in batch:
         if not future.done():
             future.set_exception(exc)
 

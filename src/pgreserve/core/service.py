@@ -577,9 +577,11 @@ class ReservationService:
 
     async def _lookup(self, sql: LiteralString, params: tuple[Any, ...],
                       action: str) -> list[tuple[Any, ...]] | None:
-        """A read that only routes a request to its batch: when it fails (a lost
-        connection, an exhausted pool), the request goes unbatched, whose call
-        retries and reports the failure as it always has."""
+        """A read that only routes a request to its batch: when its statement fails,
+        the request goes unbatched, whose call reports the failure as it always has.
+        Busy (no connection before the deadline) and DatabaseUnavailable (the
+        connection lost and not regained in time) come out as they are: the request
+        was not started."""
         try:
             return await self.db.fetch(sql, params, op=OPS[action])
         except psycopg.Error:

@@ -7,7 +7,10 @@ import json
 import logging
 import random
 import re
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, LiteralString, cast
 
@@ -16,7 +19,7 @@ from psycopg import generators, pq
 from psycopg import sql as sql_
 from psycopg.abc import Transformer as _Adapt
 from psycopg.adapt import Transformer
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from .. import errors
 from .queries import queries
@@ -42,13 +45,60 @@ _BUSY = {"55P03", "57014"}  # lock_timeout, statement_timeout
 
 @dataclass(frozen=True)
 class TxSettings:
-    """Limits applied with SET LOCAL-equivalents in every transaction."""
+    """Limits applied with SET LOCAL-equivalents in every transaction.
+
+    `pool_wait_s`: the longest a call waits for a connection of the pool (less
+    when its deadline is nearer); past it the call is `Busy`, never sent.
+    """
 
     lock_timeout_ms: int = 2000
     statement_timeout_ms: int = 10000
     max_attempts: int = 6
     backoff_base_s: float = 0.005
     backoff_cap_s: float = 0.2
+    pool_wait_s: float = 1.0
+
+
+# The monotonic time by which the calls of the current request must be done
+# (None: no deadline). Set by `deadline()`; the HTTP layer sets one per request.
+_deadline: ContextVar[float | None] = ContextVar("pgreserve_deadline", default=None)
+
+
+@contextmanager
+def deadline(seconds: float | None) -> Iterator[float | None]:
+    """Run the calls inside under a deadline `seconds` from now (None: no new one).
+
+    An enclosing earlier deadline stays in force. Inside, a call waits for a pool
+    connection at most until the deadline (and `pool_wait_s`), its transaction's
+    statement_timeout is cut to the time left, and no retry starts after it.
+    """
+    outer = _deadline.get()
+    if seconds is None:
+        yield outer
+        return
+    end = time.monotonic() + seconds
+    if outer is not None:
+        end = min(end, outer)
+    token = _deadline.set(end)
+    try:
+        yield end
+    finally:
+        _deadline.reset(token)
+
+
+@contextmanager
+def deadline_at(end: float | None) -> Iterator[None]:
+    """Run the calls inside under exactly this monotonic deadline (None: none)."""
+    token = _deadline.set(end)
+    try:
+        yield
+    finally:
+        _deadline.reset(token)
+
+
+def current_deadline() -> float | None:
+    """The monotonic deadline of the calls made here, or None."""
+    return _deadline.get()
 
 
 @dataclass(frozen=True)
@@ -112,9 +162,13 @@ class Database:
         self.stats = Stats()
         self.observer = observer
         self._statements: dict[str, _Statement] = {}
-        self._begin = sql_.SQL(queries["transaction_begin"]).format(
+        begin = sql_.SQL(queries["transaction_begin"]).format(
             sql_.Literal(f"{int(self.settings.lock_timeout_ms)}ms"),
-            sql_.Literal(f"{int(self.settings.statement_timeout_ms)}ms"))
+            sql_.Literal(_TIMEOUT_MARK)).as_bytes(None)
+        # Under a deadline the statement_timeout literal is the time left (in ms).
+        head, _, tail = begin.partition(b"'" + _TIMEOUT_MARK.encode() + b"'")
+        self._begin_parts = (head, tail)
+        self._begin = self._begin_for(int(self.settings.statement_timeout_ms))
         self.prepare_threshold = prepare_threshold
         self.role_pools = role_pools
         self.role_max_size = role_max_size or max_size
@@ -155,6 +209,42 @@ class Database:
         """psycopg_pool's counters of every pool, by application_name."""
         return {name: dict(pool.get_stats()) for name, pool in self.pools.items()}
 
+    def _begin_for(self, statement_timeout_ms: int) -> bytes:
+        head, tail = self._begin_parts
+        return b"%s'%dms'%s; " % (head, statement_timeout_ms, tail)
+
+    def _pool_wait(self, end: float | None) -> float:
+        """How long an attempt starting now may wait for a connection; _Late when
+        the deadline has passed."""
+        if end is None:
+            return self.settings.pool_wait_s
+        remaining = end - time.monotonic()
+        if remaining <= 0:
+            raise _Late
+        return min(self.settings.pool_wait_s, remaining)
+
+    def _begin_until(self, end: float | None) -> bytes:
+        """The BEGIN text of a transaction starting now: its statement_timeout is
+        cut to the time left before the deadline; _Late when none is left."""
+        if end is None:
+            return self._begin
+        ms = int((end - time.monotonic()) * 1000)
+        if ms <= 0:
+            raise _Late
+        return self._begin if ms >= self.settings.statement_timeout_ms else self._begin_for(ms)
+
+    def _gave_up(self, op: Op | None, maybe_ran: bool, why: str,
+                 sqlstate: str | None = None) -> errors.PgReserveError:
+        """Busy when no attempt can have reached the database; OutcomeUnknown otherwise."""
+        if maybe_ran:
+            self._emit(op, "unknown_outcome")
+            return errors.OutcomeUnknown(
+                f"{why}; an earlier attempt lost its connection after the statement was "
+                "sent, so it may have committed: retry with the same request key")
+        self.stats.busy += 1
+        self._emit(op, "busy")
+        return errors.Busy(f"{why}; nothing was done, retry later", sqlstate=sqlstate)
+
     def _emit(self, op: Op | None, event: str) -> None:
         if self.observer is not None:
             try:
@@ -185,37 +275,55 @@ class Database:
         return Session(self, op)
 
     async def call(self, sql: LiteralString, params: Sequence[Any] = (),
-                   *, op: Op | None = None, session: Session | None = None) -> Any:
+                   *, op: Op | None = None, session: Session | None = None,
+                   deadline: float | None = None) -> Any:
         """Run one statement in its own transaction and return the first column of the first row.
 
         Deadlocks, serialization failures and lost connections are retried as
         whole transactions with bounded, jittered backoff (every operation is
         idempotent: by request key or by state). Lock and statement timeouts
         surface as Busy. Typed SQLSTATEs become their PgReserveError.
+
+        `deadline` (monotonic time; default: the one `deadline()` set here)
+        bounds the whole call: the wait for a connection, the transaction's
+        statement_timeout and every retry. A call that cannot start in time, or
+        whose every attempt was refused before or without committing, is Busy;
+        one whose statement was sent on a connection that was then lost, and not
+        resolved by a retry, is OutcomeUnknown.
         """
         s = self.settings
         sql = tagged(sql, op)
+        end = deadline if deadline is not None else _deadline.get()
         attempt = 0
-        lost_before = False
+        lost_before = False  # an earlier attempt's statement may have reached the database
         while True:
             attempt += 1
+            wait = 0.0
             try:
+                wait = self._pool_wait(end)
                 if session is not None:
-                    result = await self._run(await session.connection(), sql, params)
+                    conn = await session.connection(wait)
+                    result = await self._run(conn, sql, params, end)
                 else:
-                    result = await self._once(sql, params, op)
+                    result = await self._once(sql, params, op, wait, end)
                 if lost_before:
                     self._emit(op, "unknown_outcome_resolved")
                 return result
+            except _Late:
+                raise self._gave_up(op, lost_before, "the request deadline passed before "
+                                    "the statement could be sent") from None
+            except PoolTimeout as exc:
+                self._emit(op, "pool_timeout")
+                raise self._gave_up(op, lost_before, "no database connection was free "
+                                    f"within {wait:.3g} s") from exc
             except psycopg.errors.Error as exc:
                 state = exc.sqlstate or ""
                 if state in _SQLSTATE_ERRORS:
                     raise _typed(exc, state) from None
                 if state in _BUSY:
-                    self.stats.busy += 1
-                    self._emit(op, "busy")
-                    raise errors.Busy(f"database busy: {exc.diag.message_primary}",
-                                      sqlstate=state) from exc
+                    raise self._gave_up(op, lost_before,
+                                        f"database busy: {exc.diag.message_primary}",
+                                        state) from exc
                 lost = _connection_lost(exc, state)
                 if state in _RETRY_WHOLE or lost:
                     if state == "40P01":
@@ -233,28 +341,30 @@ class Database:
                         self.stats.connection_retried += 1
                         self._emit(op, "connection_retried")
                         lost_before = True
+                    delay = random.uniform(  # noqa: S311 - jitter, no secret
+                        0, min(s.backoff_cap_s, s.backoff_base_s * 2 ** (attempt - 1)))
                     if attempt >= s.max_attempts:
-                        if lost:
-                            self._emit(op, "unknown_outcome")
-                            raise errors.OutcomeUnknown(
-                                "the database connection failed; retry with the same request key",
-                            ) from exc
-                        raise errors.Busy(f"gave up after {attempt} attempts: {exc}",
-                                          sqlstate=state) from exc
-                    delay = min(s.backoff_cap_s, s.backoff_base_s * 2 ** (attempt - 1))
-                    await asyncio.sleep(random.uniform(0, delay))  # noqa: S311 - jitter, no secret
+                        raise self._gave_up(op, lost_before,
+                                            f"gave up after {attempt} attempts: {exc}",
+                                            state) from exc
+                    if end is not None and time.monotonic() + delay >= end:
+                        raise self._gave_up(op, lost_before, f"the request deadline passed "
+                                            f"after {attempt} attempt(s): {exc}",
+                                            state) from exc
+                    await asyncio.sleep(delay)
                     continue
                 raise
 
     async def _once(self, sql: LiteralString, params: Sequence[Any],
-                    op: Op | None = None) -> Any:
+                    op: Op | None, wait: float, end: float | None) -> Any:
         pool = await self._pool_for(op)
-        async with pool.connection() as conn:
-            return await self._run(conn, sql, params)
+        async with pool.connection(timeout=wait) as conn:
+            return await self._run(conn, sql, params, end)
 
     async def _run(self, conn: psycopg.AsyncConnection[Any], sql: LiteralString,
-                   params: Sequence[Any]) -> Any:
+                   params: Sequence[Any], end: float | None = None) -> Any:
         statement = self._statement(sql)
+        begin = self._begin_until(end)  # before anything is sent
         # One message, one round trip: BEGIN, the transaction-local limits,
         # the call and COMMIT as a multi-statement simple query. The
         # transaction never waits on the client while it holds locks.
@@ -267,7 +377,7 @@ class Database:
         adapt = Transformer(conn)
         pgconn = conn.pgconn
         try:
-            pgconn.send_query(statement.render(adapt, params))
+            pgconn.send_query(begin + statement.render(adapt, params))
             results = await conn.wait(generators.execute(pgconn))
         except BaseException:
             await _roll_back(conn)
@@ -285,23 +395,66 @@ class Database:
     def _statement(self, sql: LiteralString) -> _Statement:
         # A handful of statement texts (one per call site): wrap and split
         # each once.
+        # The BEGIN text (its limits) goes in front at each call.
         statement = self._statements.get(sql)
         if statement is None:
             wrapped = sql_.SQL("; ").join(
-                [self._begin, sql_.SQL(sql), sql_.SQL(queries["transaction_commit"])])
+                [sql_.SQL(sql), sql_.SQL(queries["transaction_commit"])])
             statement = self._statements[sql] = _Statement.parse(wrapped.as_bytes(None))
         return statement
 
     async def fetch(self, sql: LiteralString,
                     params: Sequence[Any] | Mapping[str, Any] = (), *,
                     op: Op | None = None) -> list[tuple[Any, ...]]:
-        """Run a read-only query (autocommit) and return all rows."""
-        pool = await self._pool_for(op)
-        async with pool.connection() as conn:
-            cur = await conn.execute(tagged(sql, op), params)
-            return await cur.fetchall()
+        """Run a read-only query (autocommit) and return all rows.
+
+        The wait for a connection is bounded as in `call`; a lost connection is
+        retried within the deadline, then DatabaseUnavailable (a read changes
+        nothing); lock and statement timeouts are Busy."""
+        s = self.settings
+        end = _deadline.get()
+        attempt = 0
+        while True:
+            attempt += 1
+            wait = 0.0
+            try:
+                wait = self._pool_wait(end)
+                pool = await self._pool_for(op)
+                async with pool.connection(timeout=wait) as conn:
+                    cur = await conn.execute(tagged(sql, op), params)
+                    return await cur.fetchall()
+            except _Late:
+                raise self._gave_up(op, False, "the request deadline passed") from None
+            except PoolTimeout as exc:
+                self._emit(op, "pool_timeout")
+                raise self._gave_up(op, False, "no database connection was free "
+                                    f"within {wait:.3g} s") from exc
+            except psycopg.errors.Error as exc:
+                state = exc.sqlstate or ""
+                if state in _SQLSTATE_ERRORS:
+                    raise _typed(exc, state) from None
+                if state in _BUSY:
+                    raise self._gave_up(op, False, f"database busy: "
+                                        f"{exc.diag.message_primary}", state) from exc
+                if not _connection_lost(exc, state):
+                    raise
+                self.stats.connection_retried += 1
+                self._emit(op, "connection_retried")
+                delay = random.uniform(  # noqa: S311 - jitter, no secret
+                    0, min(s.backoff_cap_s, s.backoff_base_s * 2 ** (attempt - 1)))
+                if attempt >= s.max_attempts or (
+                        end is not None and time.monotonic() + delay >= end):
+                    raise errors.DatabaseUnavailable(
+                        f"the database connection failed during a read ({exc}); "
+                        "nothing was changed, retry later") from exc
+                await asyncio.sleep(delay)
 
 
+class _Late(Exception):
+    """The deadline passed before an attempt could start."""
+
+
+_TIMEOUT_MARK = "pgreserve:statement_timeout"
 _FATAL_ERROR = pq.ExecStatus.FATAL_ERROR
 _TUPLES_OK = pq.ExecStatus.TUPLES_OK
 _PLACEHOLDER = re.compile(rb"%(.)", re.DOTALL)
@@ -358,15 +511,23 @@ class Session:
     async def __aexit__(self, *exc: object) -> None:
         await self._hand_back()
 
-    async def connection(self) -> psycopg.AsyncConnection[Any]:
+    async def connection(self, wait: float | None = None) -> psycopg.AsyncConnection[Any]:
         """The kept connection; a broken one is handed back (the pool discards
         it) before another is taken, so a retry never waits on the pool while
-        holding a dead connection."""
+        holding a dead connection. A new one is waited for at most `wait`
+        seconds (default: `pool_wait_s`, less when the deadline is nearer);
+        then PoolTimeout."""
         if self._conn is not None and self._conn.broken:
             await self._hand_back()
         if self._conn is None:
+            if wait is None:
+                try:
+                    wait = self._db._pool_wait(_deadline.get())
+                except _Late:
+                    raise PoolTimeout("the deadline passed before a connection "
+                                      "was asked for") from None
             self._pool = await self._db._pool_for(self._op)
-            self._conn = await self._pool.getconn()
+            self._conn = await self._pool.getconn(timeout=wait)
         return self._conn
 
     @property

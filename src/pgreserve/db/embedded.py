@@ -36,6 +36,7 @@ SERVER_SETTINGS: dict[str, str] = {
     "autovacuum_max_workers": "6",
     "idle_in_transaction_session_timeout": "15s",
     "log_lock_waits": "on",
+    "log_min_duration_statement": "200ms",
     "deadlock_timeout": "200ms",
     "shared_preload_libraries": "pg_stat_statements",
     "pg_stat_statements.track": "all",

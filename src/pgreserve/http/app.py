@@ -21,6 +21,8 @@ from fastapi import Depends, FastAPI
 from ..core.service import Clock, ReservationService
 from ..db.database import Database
 from ..ops import web
+from ..ops.pgbouncer import PgBouncerMonitor
+from .admission import DEFAULT_REQUEST_DEADLINE_S, Admission, TenantLimit, check_deadline
 from .dependencies import ApiKeyCache, InFlight, known_query_only
 from .exception_handlers import EXCEPTION_HANDLERS
 from .metrics import ApiMetrics
@@ -59,19 +61,25 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     """Open the app's own pool (when it has one) and run the monitors (when asked)."""
     state = app.state
     owned: OwnedPool | None = state.owned_pool
-    if owned is None:  # the caller's Database: it opens and closes it
-        async with web.monitors(app, state.service.db.conninfo, state.metrics,
-                                enabled=state.monitor):
-            yield
-        return
-    database = owned.database(state.metrics)
-    await database.open()
-    state.service = ReservationService(database, **state.service_options)
+    pgbouncer: PgBouncerMonitor | None = state.pgbouncer
     try:
-        async with web.monitors(app, database.conninfo, state.metrics, enabled=state.monitor):
-            yield
+        if owned is None:  # the caller's Database: it opens and closes it
+            async with web.monitors(app, state.service.db.conninfo, state.metrics,
+                                    enabled=state.monitor):
+                yield
+            return
+        database = owned.database(state.metrics)
+        await database.open()
+        state.service = ReservationService(database, **state.service_options)
+        try:
+            async with web.monitors(app, database.conninfo, state.metrics,
+                                    enabled=state.monitor):
+                yield
+        finally:
+            await database.close()
     finally:
-        await database.close()
+        if pgbouncer is not None:
+            await pgbouncer.close()
 
 
 def create_app(dsn: str | None = None, *, database: Database | None = None,
@@ -79,7 +87,10 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
                clock: Clock | None = None, application_name: str = "pgreserve:api",
                pool_min_size: int = 1, monitor: bool = False,
                prepare_threshold: int | None = 5,
-               api_key_cache_s: float = DEFAULT_API_KEY_CACHE_S) -> FastAPI:
+               api_key_cache_s: float = DEFAULT_API_KEY_CACHE_S,
+               request_deadline_s: float = DEFAULT_REQUEST_DEADLINE_S,
+               tenant_max_in_flight: int = 0,
+               pgbouncer_admin_url: str | None = None) -> FastAPI:
     """The API over one database: pass a DSN (the app owns its pool) or an open Database.
 
     `clock` replaces the database clock (tests move time by hand). `monitor`
@@ -87,8 +98,15 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     figures go to /metrics and /ops). `prepare_threshold=None` behind PgBouncer
     older than 1.21. `api_key_cache_s`: how long an accepted API key is
     trusted without asking the database again (a revoked key is refused within
-    that time; 0: ask every request).
+    that time; 0: ask every request). `request_deadline_s`: every request's
+    deadline (the connection wait, statement_timeout and retries fit inside it;
+    past it: 503 busy). `tenant_max_in_flight`: at most this many requests of one
+    tenant at once in this process (429 beyond; 0: no limit).
+    `pgbouncer_admin_url`: PgBouncer's admin console, whose pool figures /metrics
+    then shows (ops/pgbouncer.py).
     """
+    check_deadline(request_deadline_s)
+    limit = TenantLimit(tenant_max_in_flight)
     if database is None and dsn is None:
         raise ValueError("create_app needs a dsn or a database")
     metrics = ApiMetrics()
@@ -116,6 +134,9 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     state.api_keys = ApiKeyCache(api_key_cache_s)
     state.monitor = monitor
     state.service_options = options
+    state.tenant_limit = limit
+    state.pgbouncer = (PgBouncerMonitor(pgbouncer_admin_url, metrics.registry)
+                       if pgbouncer_admin_url else None)
     if database is not None:
         state.owned_pool = None
         state.service = ReservationService(database, **options)
@@ -124,6 +145,7 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
         state.owned_pool = OwnedPool(dsn, pool_size, pool_min_size, application_name,
                                      prepare_threshold)
         state.service = None
+    app.add_middleware(Admission, deadline_s=request_deadline_s, limit=limit)
     app.add_middleware(CountRequests, metrics=metrics)
     app.add_middleware(BodyLimit, limit=body_limit)
     return app
@@ -140,4 +162,15 @@ def app_from_env() -> FastAPI:
                       prepare_threshold=None if threshold.lower() in ("", "none") else
                       int(threshold),
                       api_key_cache_s=float(os.environ.get("PGRESERVE_API_KEY_CACHE_SECONDS",
-                                                           DEFAULT_API_KEY_CACHE_S)))
+                                                           DEFAULT_API_KEY_CACHE_S)),
+                      **admission_from_env())
+
+
+def admission_from_env() -> dict[str, Any]:
+    """create_app's admission options from PGRESERVE_REQUEST_DEADLINE_SECONDS,
+    PGRESERVE_TENANT_MAX_IN_FLIGHT and PGRESERVE_PGBOUNCER_ADMIN_URL."""
+    env = os.environ
+    return {"request_deadline_s": float(env.get("PGRESERVE_REQUEST_DEADLINE_SECONDS",
+                                                DEFAULT_REQUEST_DEADLINE_S)),
+            "tenant_max_in_flight": int(env.get("PGRESERVE_TENANT_MAX_IN_FLIGHT", "0")),
+            "pgbouncer_admin_url": env.get("PGRESERVE_PGBOUNCER_ADMIN_URL") or None}

@@ -19,7 +19,7 @@ from fastapi.routing import APIRoute
 from .. import apikeys, errors
 from .. import validation as check
 from ..core.service import ReservationService
-from . import problems
+from . import admission, problems
 from .metrics import ApiMetrics
 from .models import storable
 
@@ -125,6 +125,7 @@ async def tenant_id(request: Request) -> int:
     tenant = await keys.tenant(service(request), credentials)
     if tenant is None:
         raise problems.Unauthorized("unknown API key")
+    admission.admit(tenant)  # 429 over the tenant's in-flight limit
     return tenant
 
 

@@ -78,7 +78,8 @@ STATUS: dict[type[errors.PgReserveError], tuple[int, str]] = {
     errors.ReservationNotActive: (409, "Reservation is not active"),
     errors.Busy: (503, "Busy, retry later"),
     errors.OutcomeUnknown: (503, "Outcome unknown, retry with the same Idempotency-Key"),
-    errors.DatabaseUnavailable: (503, "Database unavailable"),
+    errors.DatabaseUnavailable: (503, "Database unavailable, retry later"),
+    errors.TooManyRequests: (429, "Too many requests for this tenant, retry later"),
     Unauthorized: (401, "Unauthorized"),
     IdempotencyKeyMissing: (400, "Idempotency-Key header required"),
     IdempotencyKeyInvalid: (400, "Invalid Idempotency-Key"),
@@ -159,7 +160,7 @@ def problem_response(exc: errors.PgReserveError, headers: dict[str, str] | None 
     if doc["status"] == 401:
         hdrs.setdefault("WWW-Authenticate", "Bearer")
     if exc.retryable:
-        hdrs.setdefault("Retry-After", "1")
+        hdrs.setdefault("Retry-After", str(exc.details.get("retry_after_s", 1)))
     return Response(render(doc), status_code=doc["status"], headers=hdrs,
                     media_type=PROBLEM_MEDIA_TYPE)
 
@@ -190,5 +191,8 @@ _DESCRIPTIONS = {
     409: "Conflict with the current state",
     413: "Request body too large",
     422: "Invalid request (invalid_request, idempotency_key_reused)",
-    503: "Busy or database unavailable; retry",
+    429: "Too many requests of this tenant in flight (too_many_requests); retry after "
+         "Retry-After seconds, nothing was done",
+    503: "busy (not run), outcome_unknown (may have run: retry with the same key) or "
+         "database_unavailable; retry after Retry-After seconds",
 }

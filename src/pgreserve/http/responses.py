@@ -10,7 +10,7 @@ from . import problems
 
 REPLAYED_HEADER = "Idempotent-Replayed"
 # Every authenticated route can answer these.
-COMMON = (401, 422, 503)
+COMMON = (401, 422, 429, 503)
 
 
 def json_response(status: int, doc: dict[str, Any], replayed: bool = False) -> Response:

@@ -53,8 +53,10 @@ class ApiServer(uvicorn.Server):
     """
 
     def __init__(self, dsn: str, host: str, port: int, *, monitor: bool = False,
-                 prepare_threshold: int | None = 5) -> None:
-        app = create_app(dsn, monitor=monitor, prepare_threshold=prepare_threshold)
+                 prepare_threshold: int | None = 5, **app_options: Any) -> None:
+        """`app_options`: more of create_app's options (deadline, tenant limit, ...)."""
+        app = create_app(dsn, monitor=monitor, prepare_threshold=prepare_threshold,
+                         **app_options)
         config = uvicorn.Config(app, host=host, port=port, loop=LOOP, http=HTTP,
                                 log_level="warning", lifespan="on", access_log=False)
         super().__init__(config)

@@ -13,6 +13,10 @@ import psycopg
 from psycopg import sql
 
 from ..db.queries import queries
+from .pgbouncer import read_pgbouncer
+
+# Statements slower than this are logged (the design's slow-statement threshold).
+SLOW_STATEMENT_MS = 200
 
 # The business-process pools one API process opens (see core/service.py OPS).
 API_ROLES = ("api", "stock", "reserve", "claim", "release", "extend", "admin", "ops")
@@ -42,9 +46,13 @@ def _ms(setting: str, unit: str | None) -> float:
 
 
 def diagnose(dsn: str, *, pool_size: int = 10, processes: int = 1,
-             extra_connections: int = 10) -> list[Finding]:
-    """Run every check against the database of `dsn`."""
+             extra_connections: int = 10,
+             pgbouncer_admin_url: str | None = None) -> list[Finding]:
+    """Run every check against the database of `dsn` (and PgBouncer's admin console
+    when `pgbouncer_admin_url` is given)."""
     out: list[Finding] = []
+    if pgbouncer_admin_url:
+        out.extend(diagnose_pgbouncer(pgbouncer_admin_url))
     with psycopg.connect(dsn, autocommit=True, application_name="pgreserve:doctor") as conn:
         def setting(name: str) -> tuple[str, str | None] | None:
             row = conn.execute(queries["setting_get"], (name,)).fetchone()
@@ -147,6 +155,17 @@ def diagnose(dsn: str, *, pool_size: int = 10, processes: int = 1,
             "log_lock_waits", "ok" if v and v[0] == "on" else "fail", v[0] if v else "?",
             "on", _fix(queries["log_lock_waits_fix"])))
 
+        v = setting("log_min_duration_statement")
+        ms = _ms(*v) if v else -1.0
+        out.append(Finding(
+            "log_min_duration_statement",
+            "ok" if 0 < ms <= SLOW_STATEMENT_MS else "warn",
+            "-1 (disabled)" if ms < 0 else "0 (every statement)" if ms == 0 else f"{ms:.0f}ms",
+            f"between 1ms and {SLOW_STATEMENT_MS}ms",
+            _fix(queries["log_min_duration_statement_fix"],
+                 "slow statements show in the server log with their tag; 0 would log "
+                 "every statement of a sale")))
+
         v = setting("track_functions")
         out.append(Finding(
             "track_functions", "ok" if v and v[0] in ("pl", "all") else "warn",
@@ -179,6 +198,38 @@ def diagnose(dsn: str, *, pool_size: int = 10, processes: int = 1,
             f"age(datfrozenxid)={age}", f"below autovacuum_freeze_max_age ({freeze})",
             queries["database_freeze_fix"] + " the oldest tables; find what holds back the xmin "
             "(long transactions, idle in transaction, replication slots)"))
+    return out
+
+
+def diagnose_pgbouncer(admin_url: str) -> list[Finding]:
+    """PgBouncer's pools: clients waiting for a server connection (cl_waiting, maxwait)
+    and the pool mode the service needs (transaction)."""
+    try:
+        report = read_pgbouncer(admin_url)
+    except psycopg.Error as exc:
+        return [Finding("pgbouncer admin console", "fail", f"unreadable: {exc}".strip(),
+                        "the console answers SHOW POOLS",
+                        "check --pgbouncer-admin-url (database pgbouncer) and that the user is "
+                        "in admin_users or stats_users of pgbouncer.ini")]
+    pools = [p for p in report.pools if p.database != "pgbouncer"]  # the console itself
+    waiting = [p for p in pools if p.clients_waiting > 0]
+    worst = max((p.max_wait_s for p in pools), default=0.0)
+    out = [Finding(
+        "pgbouncer clients waiting", "warn" if waiting else "ok",
+        "; ".join(f"{p.database}/{p.user}: cl_waiting={p.clients_waiting}, "
+                  f"maxwait={p.max_wait_s:.3f}s, sv_active={p.servers_active}"
+                  for p in waiting)
+        if waiting else f"none waiting in {len(pools)} pool(s), maxwait={worst:.3f}s",
+        "cl_waiting = 0",
+        "clients queue for server connections: find who holds them (pgreserve ops holdtime, "
+        "idle in transaction), then raise pool_size / default_pool_size in pgbouncer.ini "
+        "within max_connections")]
+    modes = sorted({p.pool_mode for p in pools if p.pool_mode and p.pool_mode != "transaction"})
+    if pools:
+        out.append(Finding(
+            "pgbouncer pool_mode", "warn" if modes else "ok",
+            ", ".join(modes) if modes else "transaction", "transaction",
+            "pool_mode = transaction in pgbouncer.ini (docs/operations.md, PgBouncer)"))
     return out
 
 

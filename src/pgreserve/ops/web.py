@@ -42,6 +42,9 @@ async def monitors(app: Any, dsn: str, ops: OpsMetrics, *, enabled: bool) -> Asy
 async def refresh_metrics(app: Any, service: ReservationService, ops: OpsMetrics) -> None:
     """Before a scrape: the figures read at scrape time and the client pools' stats."""
     ops.pool_stats(service.db.pool_stats())
+    pgbouncer = getattr(app.state, "pgbouncer", None)  # create_app(pgbouncer_admin_url=)
+    if pgbouncer is not None:
+        await pgbouncer.refresh()
     try:
         ops.figures(await read_figures(service.db))
     except Exception as exc:  # noqa: BLE001 - a scrape still answers with what it has

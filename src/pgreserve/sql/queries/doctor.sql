@@ -45,6 +45,9 @@ CREATE EXTENSION pg_stat_statements;
 -- name: log_lock_waits_fix
 ALTER SYSTEM SET log_lock_waits = on; SELECT pg_reload_conf();
 
+-- name: log_min_duration_statement_fix
+ALTER SYSTEM SET log_min_duration_statement = '200ms'; SELECT pg_reload_conf();
+
 -- name: track_functions_fix
 ALTER SYSTEM SET track_functions = 'pl'; SELECT pg_reload_conf();
 
