@@ -266,3 +266,24 @@ def test_a_key_with_quotes_and_backslashes_reaches_the_server_as_itself(
     escaped = by_hand('"\\"order\\" 7"')
     assert escaped.headers["idempotent-replayed"] == "true"
     assert escaped.json()["id"] == quoted.reservation.id
+
+
+@pytest.mark.parametrize(("status", "body", "retry"), [
+    (503, {"code": "busy"}, True),
+    (503, {"code": "outcome_unknown"}, True),
+    (503, {"code": "database_unavailable"}, True),
+    (429, {"code": "too_many_requests"}, True),
+    (409, {"code": "request_in_progress"}, True),
+    (409, {"code": "insufficient_stock"}, False),
+    (422, {"code": "idempotency_key_reused"}, False),
+    (502, None, True),
+    (500, {"code": "internal_error"}, False),
+])
+def test_which_answers_are_retried(status: int, body: dict[str, str] | None,
+                                   retry: bool) -> None:
+    """An answer is retried when its problem code is a retryable pgreserve error, or when a
+    proxy's 502/503/504 carries none."""
+    from pgreserve.client import _retryable
+
+    response = httpx.Response(status, json=body) if body else httpx.Response(status)
+    assert _retryable(response) is retry
