@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: run test lint soak race clean
+.PHONY: run test test-pg lint soak race clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "$(PYTHON) not found; set PYTHON=python3"; exit 1; }
@@ -26,6 +26,12 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/pytest
+
+# The tests that use the session's server, on an installed PostgreSQL instead of the
+# embedded 18 (Debian: apt-get install postgresql-15). `.ci/run` runs it.
+PG_BIN ?= /usr/lib/postgresql/15/bin
+test-pg: $(STAMP)
+	PGRESERVE_TEST_PG_BIN=$(PG_BIN) $(BIN)/pytest
 
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check src tests

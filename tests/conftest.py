@@ -1,4 +1,5 @@
-"""Fixtures: one embedded PostgreSQL 18 per test run, a migrated template, a fresh database per test."""
+"""Fixtures: one PostgreSQL per test run (the embedded 18, or the installed server that
+PGRESERVE_TEST_PG_BIN names), a migrated template, a fresh database per test."""
 
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ from psycopg import sql
 from pgreserve import Database, ReservationService, Tenant
 from pgreserve.db import migrate as migrations
 from pgreserve.db.embedded import EmbeddedServer
+from pgserver import ExternalServer
+from toolcheck import pytest_report_header, pytest_terminal_summary, require
+
+__all__ = ["pytest_report_header", "pytest_terminal_summary"]  # hooks of tests/toolcheck.py
 
 if TYPE_CHECKING:
     import httpx
@@ -32,11 +37,29 @@ _counter = itertools.count()
 # server rely on WAL replay, which works with fsync off as long as the OS stays up.
 TEST_SETTINGS = {"fsync": "off", "full_page_writes": "off", "synchronous_commit": "off"}
 
+# An installed server's bin directory (e.g. /usr/lib/postgresql/15/bin): the session's
+# server is a temporary cluster made with it instead of the embedded PostgreSQL 18.
+EXTERNAL_PG_BIN = os.environ.get("PGRESERVE_TEST_PG_BIN") or None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Against an installed server, run only the tests that use the session's server;
+    the others start embedded servers of their own (or none) and ran in the main run."""
+    if EXTERNAL_PG_BIN is None:
+        return
+    keep = [i for i in items if "pg_server" in getattr(i, "fixturenames", ())]
+    dropped = [i for i in items if "pg_server" not in getattr(i, "fixturenames", ())]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
 
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[EmbeddedServer]:
     root = Path(tempfile.mkdtemp(prefix="pgreserve-test-"))
-    server = EmbeddedServer(root / "data", extra_settings=TEST_SETTINGS)
+    server = (ExternalServer(EXTERNAL_PG_BIN, root / "data", extra_settings=TEST_SETTINGS)
+              if EXTERNAL_PG_BIN else
+              EmbeddedServer(root / "data", extra_settings=TEST_SETTINGS))
     server.start()
     admin = server.dsn("postgres")
     with psycopg.connect(admin, autocommit=True) as conn:
@@ -112,8 +135,7 @@ def pgbouncer(pg_server: EmbeddedServer) -> Iterator[PgBouncer]:
     """A real PgBouncer (transaction pooling) in front of the session's server."""
     from pgbouncer import PgBouncer
 
-    if shutil.which("pgbouncer") is None and not Path("/usr/sbin/pgbouncer").exists():
-        pytest.skip("pgbouncer is not installed (Debian package pgbouncer; .ci/run installs it)")
+    require("pgbouncer")
     bouncer = PgBouncer(pg_server).start()
     yield bouncer
     bouncer.stop()

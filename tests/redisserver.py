@@ -11,6 +11,8 @@ from pathlib import Path
 
 import redis
 
+import toolcheck
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -19,8 +21,7 @@ def free_port() -> int:
 
 
 def binary() -> str | None:
-    return shutil.which("redis-server") or (
-        "/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists() else None)
+    return toolcheck.find("redis-server")
 
 
 class RedisServer:

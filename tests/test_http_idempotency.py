@@ -28,10 +28,54 @@ async def test_missing_key_is_400(api: ApiTenant) -> None:
     assert (await api.client.get("/v1/stock/wh/s")).json()["reserved"] == 0
 
 
-async def test_overlong_key_is_422(api: ApiTenant) -> None:
-    """A key over 200 characters is 422 invalid_request."""
+async def test_overlong_key_is_400(api: ApiTenant) -> None:
+    """A key over 200 characters, bare or as a structured-field string, is 400
+    idempotency_key_invalid (the draft's answer to a malformed key) and holds nothing."""
     await put_stock(api, "s", 5)
-    assert_problem(await reserve(api, "k" * 201, CART), 422, "invalid_request")
+    assert_problem(await reserve(api, "k" * 201, CART), 400, "idempotency_key_invalid")
+    assert_problem(await reserve(api, '"' + "k" * 201 + '"', CART), 400,
+                   "idempotency_key_invalid")
+    assert (await reserve(api, '"' + "k" * 200 + '"', CART)).status_code == 201
+    assert (await api.client.get("/v1/stock/wh/s")).json()["reserved"] == 2
+
+
+async def test_quoted_key_is_the_same_key_as_the_bare_one(api: ApiTenant) -> None:
+    """`"abc"` (the draft's sf-string form) and `abc` name one key: the second replays the
+    first and one reservation holds; escapes decode (`"a\\"b"` is `a"b`)."""
+    await put_stock(api, "s", 5)
+    first = await reserve(api, '"abc"', CART)
+    again = await reserve(api, "abc", CART)
+    assert first.status_code == 201 and again.headers["idempotent-replayed"] == "true"
+    assert again.content == first.content
+    escaped = await reserve(api, '"a\\"b\\\\c"', [("s", "wh", 1)])
+    plain = await reserve(api, 'a"b\\c', [("s", "wh", 1)])
+    assert escaped.status_code == 201 and plain.headers["idempotent-replayed"] == "true"
+    claim = await api.client.post(f"/v1/reservations/{first.json()['id']}/claim",
+                                  headers={"Idempotency-Key": '"pay-1"'})
+    replay = await api.client.post(f"/v1/reservations/{first.json()['id']}/claim",
+                                   headers={"Idempotency-Key": "pay-1"})
+    assert claim.status_code == 200 and replay.headers["idempotent-replayed"] == "true"
+    assert (await api.client.get("/v1/stock/wh/s")).json()["reserved"] == 1
+
+
+async def test_malformed_quoted_keys_are_400_and_write_nothing(api: ApiTenant) -> None:
+    """A structured-field string that is unterminated, empty, escapes another character,
+    holds non-ASCII or carries parameters is 400 idempotency_key_invalid, on reserve and
+    on claim, and nothing is held."""
+    await put_stock(api, "s", 5)
+    held = await reserve(api, "ok-1", CART)
+    body = {"lines": [{"sku": "s", "location": "wh", "quantity": 2}]}
+    bad_keys = [b'"abc', b'""', b'"a\\nb"', b'"a\tb"', b'"abc";p=1', b'"abc" x',
+                '"caf\u00e9"'.encode()]
+    for bad in bad_keys:
+        headers = {b"Idempotency-Key": bad}
+        resp = await api.client.post("/v1/reservations", json=body, headers=headers)
+        assert_problem(resp, 400, "idempotency_key_invalid")
+        resp = await api.client.post(f"/v1/reservations/{held.json()['id']}/claim",
+                                     headers=headers)
+        assert_problem(resp, 400, "idempotency_key_invalid")
+    stock = (await api.client.get("/v1/stock/wh/s")).json()
+    assert (stock["on_hand"], stock["reserved"]) == (5, 2)
 
 
 async def test_same_key_same_body_replays_bytes(api: ApiTenant) -> None:

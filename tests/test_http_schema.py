@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -128,3 +129,27 @@ def test_stateful_links_create_then_claim_release_get(
                      "ExtendReservation"}
     Workflow.run(settings=settings(max_examples=12, stateful_step_count=6, deadline=None,
                                    derandomize=True, suppress_health_check=list(HealthCheck)))
+
+
+def test_operation_ids_are_stable_camel_case_names() -> None:
+    """Every operation has a unique camelCase id, and the existing ones keep their names
+    (no path-derived ids such as put_stock_v1_stock__location___sku__put)."""
+    ids = {(method, path): op["operationId"] for path, ops in OPENAPI["paths"].items()
+           for method, op in ops.items()}
+    assert len(set(ids.values())) == len(ids)
+    assert all(re.fullmatch(r"[a-z][A-Za-z0-9]*", i) for i in ids.values()), ids
+    assert {
+        ("put", "/v1/stock/{location}/{sku}"): "setStock",
+        ("get", "/v1/stock/{location}/{sku}"): "getStock",
+        ("post", "/v1/stock/{location}/{sku}/adjustments"): "adjustStock",
+        ("post", "/v1/reservations"): "createReservation",
+        ("get", "/v1/reservations/{reservation_id}"): "getReservation",
+        ("post", "/v1/reservations/{reservation_id}/claim"): "claimReservation",
+        ("post", "/v1/reservations/{reservation_id}/release"): "releaseReservation",
+        ("post", "/v1/reservations/{reservation_id}/extend"): "extendReservation",
+        ("get", "/v1/events"): "listEvents",
+        ("get", "/v1/webhooks"): "listWebhooks",
+        ("post", "/v1/webhooks"): "createWebhook",
+        ("delete", "/v1/webhooks/{webhook_id}"): "deleteWebhook",
+        ("get", "/healthz"): "getHealth",
+    }.items() <= ids.items()

@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import tempfile
 import threading
@@ -24,11 +23,12 @@ import httpx
 import psycopg
 import pytest
 
+import toolcheck
 from pgreserve import ReservationService, Tenant
 from test_cli_up import free_port
 from test_ops_listener import OpsServed, tenant_with_key
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM = toolcheck.find("chromium")
 
 
 class Tables(HTMLParser):
@@ -97,8 +97,7 @@ def test_page_is_self_contained(dsn: str) -> None:
     assert re.findall(r'fetch\("([^"]+)"', page) == ["/ops/series.json", "/ops/tables"]
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="Debian chromium is not installed "
-                    "(.ci/run installs it); this test renders /ops in headless Chromium")
+@pytest.mark.skipif(CHROMIUM is None, reason=toolcheck.TOOLS["chromium"].reason)
 async def test_ops_page_in_chromium_shows_the_database_figures(
         service: ReservationService, tenant: Tenant, dsn: str) -> None:
     """Chromium renders /ops with the hot bucket's pool and held units, the reservations

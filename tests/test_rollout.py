@@ -20,13 +20,14 @@ import psycopg
 import pytest
 import pytest_asyncio
 
+import toolcheck
 from pgreserve import errors
 from pgreserve.core.service import ReservationService
 from pgreserve.db.database import Database
 from pgreserve.domain import Status, Tenant
 from pgreserve.rollout import Mode, RedisHoldStore, Rollout, set_mode
 from pgreserve.rollout import report as reports
-from redisserver import RedisServer, binary
+from redisserver import RedisServer
 
 BIN = Path(sys.executable).parent / "pgreserve"
 _ns = itertools.count()
@@ -35,9 +36,7 @@ _ns = itertools.count()
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     """One real redis-server for the run (each test uses its own key namespace)."""
-    if binary() is None:
-        pytest.skip("redis-server is not installed (Debian package redis-server; "
-                    ".ci/run installs it)")
+    toolcheck.require("redis-server")
     server = RedisServer().start()
     yield server
     server.stop()

@@ -5,19 +5,24 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
+import psycopg
+import psycopg.conninfo
 from rich.console import Console
 
 from . import errors
-from .config import database_url
+from .config import database_url, mask_password
 from .core.service import ReservationService
 from .db import migrate as migrations
 from .db.database import Database
+from .db.embedded import data_dir_from_env
 from .workers.base import run_forever
 from .workers.janitor import Janitor, JanitorConfig
 from .workers.replenisher import Replenisher
@@ -31,9 +36,10 @@ console = Console(stderr=True, soft_wrap=True)
 
 db_options = [
     click.option("--database-url", envvar="PGRESERVE_DATABASE_URL", default=None,
-                 help="PostgreSQL >= 15 URL; default: the embedded server."),
-    click.option("--data-dir", envvar="PGRESERVE_DATA_DIR", default=None,
-                 help="Data directory of the embedded server (default ./.pgreserve/data)."),
+                 show_envvar=True, help="PostgreSQL >= 15 URL; default: the embedded server."),
+    click.option("--data-dir", envvar="PGRESERVE_DATA_DIR", default=None, show_envvar=True,
+                 help="Data directory of the embedded server (default ./.pgreserve/data, "
+                      "relative to the current directory; only `up` and `migrate` create it)."),
 ]
 
 
@@ -45,9 +51,9 @@ def with_db(f: Any) -> Any:
 
 http_options = [
     click.option("--host", envvar="PGRESERVE_HOST", default="127.0.0.1", show_default=True,
-                 help="Address the HTTP API listens on."),
-    click.option("--port", envvar="PGRESERVE_PORT", default=8000, show_default=True, type=int,
-                 help="Port of the HTTP API."),
+                 show_envvar=True, help="Address the HTTP API listens on."),
+    click.option("--port", envvar="PGRESERVE_PORT", default=8000, show_default=True,
+                 show_envvar=True, type=click.IntRange(0, 65535), help="Port of the HTTP API."),
 ]
 
 ops_options = [
@@ -68,23 +74,25 @@ ops_options = [
 
 retention_option = click.option(
     "--key-retention-hours", envvar="PGRESERVE_KEY_RETENTION_HOURS", default=24.0,
-    show_default=True, type=click.FloatRange(min=1.0),
+    show_default=True, show_envvar=True, type=click.FloatRange(min=1.0),
     help="Keep Idempotency-Keys at least this long before the janitor forgets them.")
 
 
 pgbouncer_option = click.option(
     "--pgbouncer-admin-url", envvar="PGRESERVE_PGBOUNCER_ADMIN_URL", default=None,
+    show_envvar=True,
     help="PgBouncer's admin console (postgresql://USER@HOST:PORT/pgbouncer); its pool "
          "figures are then checked (doctor) or exported (/metrics).")
 
 http_options += [
     click.option("--request-deadline-seconds", envvar="PGRESERVE_REQUEST_DEADLINE_SECONDS",
-                 default=5.0, show_default=True, type=click.FloatRange(0.1, 600),
+                 default=5.0, show_default=True, show_envvar=True,
+                 type=click.FloatRange(0.1, 600),
                  help="Every request's deadline: the wait for a connection, the transaction's "
                       "statement_timeout and every retry fit inside it (past it: 503 busy, "
                       "not run)."),
     click.option("--tenant-max-in-flight", envvar="PGRESERVE_TENANT_MAX_IN_FLIGHT", default=0,
-                 show_default=True, type=click.IntRange(0, 1_000_000),
+                 show_default=True, show_envvar=True, type=click.IntRange(0, 1_000_000),
                  help="At most this many requests of one tenant at once per API process "
                       "(429 beyond); 0: no limit."),
     pgbouncer_option,
@@ -132,16 +140,26 @@ def _serving(ops_host: str, ops_port: int, ops_enabled: bool, log_format: str,
 
 
 class _Group(click.Group):
-    """The top-level group: a schema the runner refuses is a message, not a traceback."""
+    """The top-level group: a user's error (a database that is not there or does not
+    answer, a schema the runner refuses, a data directory that cannot be made) is a
+    message and exit code 1, not a traceback."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except errors.MigrationError as exc:
+        except errors.PgReserveError as exc:
             raise click.ClickException(exc.message) from None
+        except psycopg.OperationalError as exc:
+            raise click.ClickException(f"database error: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 @click.group(cls=_Group)
+@click.version_option(package_name="pgreserve", message="%(prog)s %(version)s")
 @click.option("-v", "--verbose", is_flag=True, help="Log more.")
 def main(verbose: bool) -> None:
     """pgreserve: inventory reservations inside PostgreSQL."""
@@ -152,8 +170,9 @@ def main(verbose: bool) -> None:
 @main.command()
 @with_db
 def migrate(database_url: str | None, data_dir: str | None) -> None:
-    """Apply pending schema migrations (safe to run concurrently and repeatedly)."""
-    with _dsn(database_url, data_dir) as dsn:
+    """Apply pending schema migrations (safe to run concurrently and repeatedly); creates
+    the embedded database when the data directory has none."""
+    with _dsn(database_url, data_dir, create=True) as dsn:
         applied = migrations.migrate_all(dsn)
     for m in applied.migrations:
         click.echo(f"applied {m.version:04d}_{m.name}")
@@ -171,9 +190,26 @@ def db() -> None:
 @db.command("url")
 @with_db
 def db_url(database_url: str | None, data_dir: str | None) -> None:
-    """Print the DSN (starts the embedded server if it is not running)."""
-    with _dsn(database_url, data_dir) as dsn:
-        click.echo(dsn)
+    """Print the DSN of the running embedded server (or the given URL, checked).
+
+    The embedded server's DSN works only while it runs (`pgreserve up`): when no server
+    runs on the data directory this exits 1 and starts nothing."""
+    from .config import embedded_running_dsn
+
+    if database_url or os.environ.get("PGRESERVE_DATABASE_URL"):
+        with _dsn(database_url, data_dir) as dsn:
+            click.echo(dsn)
+        return
+    dsn = embedded_running_dsn(data_dir)
+    if dsn is None:
+        where = data_dir_from_env(data_dir)
+        state = ("no database" if not (where / "PG_VERSION").exists()
+                 else "a database, but no server runs on it")
+        raise click.ClickException(
+            f"{where} holds {state}; its address is valid only while `pgreserve up` "
+            f"(or another pgreserve command) runs on it. Start `pgreserve up --data-dir "
+            f"{where}` and ask again, or pass --data-dir / --database-url.")
+    click.echo(dsn)
 
 
 @main.group()
@@ -208,6 +244,29 @@ def tenant_create(name: str, as_json: bool, database_url: str | None,
     else:
         click.echo(f"tenant {created.name!r} created (id {created.id})")
         click.echo(f"API key (shown only now): {key}")
+
+
+@tenant.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@with_db
+def tenant_list(as_json: bool, database_url: str | None, data_dir: str | None) -> None:
+    """Every tenant: id, name and when it was created (never a key)."""
+
+    async def go(dsn: str) -> Any:
+        async with Database(dsn, min_size=1, max_size=1) as database:
+            return await ReservationService(database).tenants()
+
+    with _dsn(database_url, data_dir) as dsn:
+        migrations.migrate(dsn)
+        rows = asyncio.run(go(dsn))
+    if as_json:
+        click.echo(json.dumps([{"id": t.id, "name": t.name, "created_at": at.isoformat()}
+                               for t, at in rows]))
+        return
+    if not rows:
+        click.echo("no tenants")
+    for t, at in rows:
+        click.echo(f"{t.id:>6}  {t.name}  created {at.isoformat()}")
 
 
 class _KeyGroup(click.Group):
@@ -344,6 +403,20 @@ def webhook_list(tenant_name: str, as_json: bool, database_url: str | None,
         click.echo(f"{r['id']}  {r['url']}  {state}")
 
 
+@webhook.command("delete")
+@click.argument("tenant_name", metavar="TENANT")
+@click.argument("webhook_id", metavar="ID")
+@with_db
+def webhook_delete(tenant_name: str, webhook_id: str, database_url: str | None,
+                   data_dir: str | None) -> None:
+    """Remove TENANT's webhook endpoint ID (`webhook list` shows the ids); nothing more is
+    sent to it."""
+    with _dsn(database_url, data_dir) as dsn:
+        migrations.migrate(dsn)
+        _tenant_service_call(dsn, tenant_name, lambda s, t: s.delete_webhook(t, webhook_id))
+    click.echo(f"webhook {webhook_id} deleted")
+
+
 @main.command()
 @with_db
 @retention_option
@@ -369,7 +442,8 @@ def up(database_url: str | None, data_dir: str | None, host: str, port: int, ops
     """Start everything: the database (embedded unless a URL is given), migrated, the HTTP API,
     the ops listener and the workers, in one process."""
     serving = _serving(ops_host, ops_port, ops_enabled, log_format, request_log)
-    with _dsn(database_url, data_dir) as dsn:
+    _check_listen(host, port)
+    with _dsn(database_url, data_dir, create=True) as dsn:
         applied = migrations.migrate(dsn)
         for m in applied:
             console.print(f"applied migration {m.version:04d}_{m.name}")
@@ -398,6 +472,7 @@ def serve(database_url: str | None, data_dir: str | None, host: str, port: int, 
     With --workers N the API runs in N processes and the ops listener in the
     parent process, which aggregates the workers' metrics."""
     serving = _serving(ops_host, ops_port, ops_enabled, log_format, request_log)
+    _check_listen(host, port)
     api_options = _api_options(request_deadline_seconds, tenant_max_in_flight,
                                pgbouncer_admin_url, legacy_redis_url)
     with _dsn(database_url, data_dir) as dsn:
@@ -408,8 +483,6 @@ def serve(database_url: str | None, data_dir: str | None, host: str, port: int, 
             run(_run(dsn, http=(host, port), workers=False, serving=serving, announce=True,
                      api_options=api_options))
         else:
-            import os
-
             os.environ["PGRESERVE_DATABASE_URL"] = dsn
             # each process's create_app reads these (http/app.py admission_from_env)
             os.environ["PGRESERVE_REQUEST_DEADLINE_SECONDS"] = str(request_deadline_seconds)
@@ -485,9 +558,9 @@ async def _run(dsn: str, *, http: tuple[str, int] | None, workers: bool,
                 if serving.ops is not None:
                     ops_url = f"http://{serving.ops[0]}:{serving.ops[1]}"
                     console.print(f"ops: {ops_url}/ops  metrics: {ops_url}/metrics")
-                console.print(f"database: {dsn}")
+                console.print(f"database: {mask_password(dsn)}", highlight=False)
                 console.print("create a tenant and its API key with:  pgreserve tenant create "
-                              "NAME  (with the same --data-dir / --database-url)")
+                              f"NAME{_same_database_hint(dsn)}", highlight=False)
                 console.print("Press Ctrl-C to stop.")
         elif announce:
             console.print("workers: expiry sweeper, pool replenisher, key janitor, webhook "
@@ -798,11 +871,52 @@ main.add_command(bench)
 main.add_command(rollout)
 
 
-def _dsn(database_url: str | None, data_dir: str | None) -> Any:
-    return database_url_ctx(database_url, data_dir)
+def _dsn(database_url: str | None, data_dir: str | None, *, create: bool = False) -> Any:
+    """The database of a command; only `up` and `migrate` may create an embedded one."""
+    return database_url_ctx(database_url, data_dir, create=create)
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Fail with a message, before anything starts, when host:port cannot be listened on."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(addr)
+        except OSError as exc:
+            raise click.ClickException(
+                f"cannot listen on {host}:{port}: {exc.strerror or exc}; stop what uses it "
+                f"or pass --port N (PGRESERVE_PORT)") from None
+
+
+def _same_database_hint(dsn: str) -> str:
+    """How another command reaches the database `dsn` names."""
+    host = psycopg.conninfo.conninfo_to_dict(dsn).get("host")
+    if host and str(host).startswith("/") and (Path(str(host)) / "PG_VERSION").exists():
+        return f" --data-dir {host}"
+    return "  (with the same --database-url / PGRESERVE_DATABASE_URL)"
 
 
 database_url_ctx = database_url
+
+
+def _show_envvars(command: click.Command) -> None:
+    """Every option read from an environment variable names it in --help."""
+    for param in command.params:
+        if isinstance(param, click.Option) and param.envvar:
+            param.show_envvar = True
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            _show_envvars(sub)
+
+
+_show_envvars(main)
 
 if __name__ == "__main__":
     sys.exit(main())

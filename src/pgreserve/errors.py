@@ -117,6 +117,12 @@ class OutcomeUnknown(PgReserveError):
     retryable = True
 
 
+class NoDatabase(PgReserveError):
+    """The command was pointed at no usable database (nothing there, or a malformed URL)."""
+
+    code = "no_database"
+
+
 class DatabaseUnavailable(Busy):
     """A read lost its database connection and could not be read again in time. Reads
     change nothing (a write whose routing read failed was not started): a Busy."""

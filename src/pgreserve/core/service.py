@@ -214,6 +214,11 @@ class ReservationService:
                                    op=OPS["tenant_lookup"])
         return Tenant(int(rows[0][0]), name) if rows else None
 
+    async def tenants(self) -> list[tuple[Tenant, datetime]]:
+        """Every tenant with its creation time, oldest first (an admin's list)."""
+        rows = await self.db.fetch(queries["tenant_list"], (), op=OPS["tenant_lookup"])
+        return [(Tenant(int(r[0]), str(r[1])), r[2]) for r in rows]
+
     # -- stock ---------------------------------------------------------------
 
     async def set_stock(self, tenant: int, sku: str, location: str, on_hand: int, *,

@@ -30,7 +30,7 @@ from .dependencies import ApiKeyCache, InFlight, known_query_only
 from .exception_handlers import EXCEPTION_HANDLERS
 from .metrics import ApiMetrics
 from .middleware import BodyLimit, ObserveRequests
-from .openapi import openapi_schema
+from .openapi import openapi_schema, operation_id
 from .requestlog import RequestLog
 from .requestlog import from_env as request_log_from_env
 from .responses import REPLAYED_HEADER
@@ -189,6 +189,7 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
         lifespan=lifespan,
         dependencies=[Depends(known_query_only)],
         exception_handlers=EXCEPTION_HANDLERS,
+        generate_unique_id_function=operation_id,
     )
     for router in ROUTERS:
         app.include_router(router)

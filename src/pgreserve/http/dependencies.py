@@ -201,8 +201,50 @@ Metrics = Annotated[ApiMetrics, Depends(metrics_dependency)]
 PathName = Annotated[str, Path(min_length=1, max_length=200, pattern=r"^[^\x00]+$")]
 KeyHeader = Annotated[str | None, Header(
     alias="Idempotency-Key",
-    description="Up to 200 characters. A repeat with the same key and body replays the "
-                "first response (header Idempotent-Replayed: true).")]
+    description="A structured-field string (\"order-1\") or the bare key (order-1), the "
+                "same key either way; 1 to 200 characters. A repeat with the same key and "
+                "body replays the first response (header Idempotent-Replayed: true).")]
+MAX_KEY = 200
+
+
+def parse_idempotency_key(value: str) -> str:
+    """The key an Idempotency-Key header names: the content of a structured-field string
+    (RFC 8941 sf-string: printable ASCII, `\\"` and `\\\\` escapes), or a bare value as
+    sent. IdempotencyKeyInvalid when malformed, empty or longer than 200 characters."""
+    if value.startswith('"'):
+        out: list[str] = []
+        i = 1
+        while True:
+            if i >= len(value):
+                raise problems.IdempotencyKeyInvalid(
+                    "Idempotency-Key: the structured-field string has no closing quote")
+            ch = value[i]
+            if ch == "\\":
+                if i + 1 >= len(value) or value[i + 1] not in '"\\':
+                    raise problems.IdempotencyKeyInvalid(
+                        'Idempotency-Key: only \\" and \\\\ may be escaped in a string')
+                out.append(value[i + 1])
+                i += 2
+                continue
+            if ch == '"':
+                break
+            if not " " <= ch <= "~":
+                raise problems.IdempotencyKeyInvalid(
+                    "Idempotency-Key: a structured-field string holds printable ASCII only")
+            out.append(ch)
+            i += 1
+        if value[i + 1:].strip():
+            raise problems.IdempotencyKeyInvalid(
+                "Idempotency-Key: nothing may follow the string (no parameters)")
+        key = "".join(out)
+    else:
+        key = value
+    if not key:
+        raise problems.IdempotencyKeyInvalid("Idempotency-Key must not be empty")
+    if len(key) > MAX_KEY:
+        raise problems.IdempotencyKeyInvalid(
+            f"Idempotency-Key must be at most {MAX_KEY} characters (got {len(key)})")
+    return key
 
 
 # Checked in the handler body, after FastAPI has validated the request: a
@@ -223,7 +265,9 @@ def request_key(value: str | None, required: bool) -> str | None:
             raise problems.IdempotencyKeyMissing(
                 "this request needs an Idempotency-Key header (1 to 200 characters)")
         return None
+    key = parse_idempotency_key(value)
     try:
-        return check.name(storable(value), "Idempotency-Key")
+        return check.name(storable(key), "Idempotency-Key")
     except ValueError as exc:
-        raise errors.InvalidRequest(f"Idempotency-Key {exc}", field="Idempotency-Key") from None
+        raise problems.IdempotencyKeyInvalid(f"Idempotency-Key {exc}",
+                                             field="Idempotency-Key") from None

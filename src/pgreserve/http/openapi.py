@@ -16,8 +16,39 @@ from .problems import Problem
 # Idempotency-Key is declared optional so that its absence reaches the handler
 # (400 idempotency_key_missing, not a generic 422); the document says where it
 # is required.
+# A bare key (1 to 200 characters, not starting with a quote) or an RFC 8941
+# string of 1 to 200 characters (each printable ASCII or an escaped " or \).
+KEY_PATTERN = (r'^(?:[^"\s](?:.{0,198}\S)?'
+               r'|"(?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\]){1,200}")$')
 KEYED_REQUIRED = {("post", "/v1/reservations"),
                   ("post", "/v1/stock/{location}/{sku}/adjustments")}
+
+
+# Stable operation ids (what generated clients name their methods), by handler; a
+# handler not listed gets its name in camelCase.
+OPERATION_IDS = {
+    "put_stock": "setStock",
+    "get_stock": "getStock",
+    "adjust_stock": "adjustStock",
+    "reserve": "createReservation",
+    "get_reservation": "getReservation",
+    "claim": "claimReservation",
+    "release": "releaseReservation",
+    "extend": "extendReservation",
+    "events": "listEvents",
+    "list_webhooks": "listWebhooks",
+    "add_webhook": "createWebhook",
+    "delete_webhook": "deleteWebhook",
+    "healthz": "getHealth",
+}
+
+
+def operation_id(route: APIRoute) -> str:
+    """FastAPI's generate_unique_id_function: the route's stable operation id."""
+    if route.name in OPERATION_IDS:
+        return OPERATION_IDS[route.name]
+    head, *rest = route.name.split("_")
+    return head + "".join(word.capitalize() for word in rest)
 
 
 def openapi_schema(app: FastAPI) -> dict[str, Any]:
@@ -40,8 +71,8 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
                 op["security"] = [{BEARER_SCHEME: []}]
             for param in op.get("parameters", []):
                 if param["name"] == "Idempotency-Key":
-                    param["schema"] = {"type": "string", "minLength": 1, "maxLength": 200,
-                                       "pattern": r"^\S(.*\S)?$"}
+                    param["schema"] = {"type": "string", "minLength": 1, "maxLength": 402,
+                                       "pattern": KEY_PATTERN}
                     param["required"] = (method, path) in KEYED_REQUIRED
     # Links: what a client (and a stateful test) can do with a reservation it
     # has just created.

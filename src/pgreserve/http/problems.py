@@ -23,6 +23,12 @@ class IdempotencyKeyMissing(errors.PgReserveError):
     code = "idempotency_key_missing"
 
 
+class IdempotencyKeyInvalid(errors.PgReserveError):
+    """A malformed Idempotency-Key: a bad structured-field string, empty or too long."""
+
+    code = "idempotency_key_invalid"
+
+
 class RequestInProgress(errors.PgReserveError):
     """The same Idempotency-Key is being processed by this server right now."""
 
@@ -92,6 +98,7 @@ STATUS: dict[type[errors.PgReserveError], tuple[int, str]] = {
     errors.TooManyRequests: (429, "Too many requests for this tenant, retry later"),
     Unauthorized: (401, "Unauthorized"),
     IdempotencyKeyMissing: (400, "Idempotency-Key header required"),
+    IdempotencyKeyInvalid: (400, "Invalid Idempotency-Key"),
     RequestInProgress: (409, "A request with this Idempotency-Key is in progress"),
     InsufficientStock: (409, "Insufficient stock"),
     BucketFrozen: (423, "Bucket frozen"),
@@ -214,7 +221,7 @@ def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 _DESCRIPTIONS = {
-    400: "Bad request (idempotency_key_missing)",
+    400: "Bad request (idempotency_key_missing, idempotency_key_invalid)",
     401: "Missing or unknown API key (unauthorized)",
     404: "Not found (unknown_stock, reservation_not_found, webhook_not_found, "
          "request_not_found)",

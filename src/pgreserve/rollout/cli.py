@@ -35,7 +35,7 @@ def _with_db(database_url_: str | None, data_dir: str | None,
         async with Database(dsn, min_size=1, max_size=1) as db:
             return await go(db)
 
-    with database_url(database_url_, data_dir) as dsn:
+    with database_url(database_url_, data_dir, create=False) as dsn:
         migrations.migrate(dsn)
         try:
             return asyncio.run(run(dsn))

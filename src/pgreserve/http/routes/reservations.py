@@ -83,7 +83,7 @@ async def transition(operation: str, run: Callable[[str | None], Awaitable[Reser
 
 
 @router.post("/v1/reservations/{reservation_id}/claim", response_model=ReservationOut,
-             responses=problems.responses(404, 409, *COMMON),
+             responses=problems.responses(400, 404, 409, *COMMON),
              summary="Payment succeeded: turn the hold into a sale (repeatable)")
 async def claim(reservation_id: str, caller: Authenticated,
                 idempotency_key: KeyHeader = None) -> Response:
@@ -93,7 +93,7 @@ async def claim(reservation_id: str, caller: Authenticated,
 
 
 @router.post("/v1/reservations/{reservation_id}/release", response_model=ReservationOut,
-             responses=problems.responses(404, 409, *COMMON),
+             responses=problems.responses(400, 404, 409, *COMMON),
              summary="Payment failed: give the units back (repeatable)")
 async def release(reservation_id: str, caller: Authenticated,
                   idempotency_key: KeyHeader = None) -> Response:
@@ -104,7 +104,7 @@ async def release(reservation_id: str, caller: Authenticated,
 
 
 @router.post("/v1/reservations/{reservation_id}/extend", response_model=ReservationOut,
-             responses=problems.responses(404, 409, 413, *COMMON),
+             responses=problems.responses(400, 404, 409, 413, *COMMON),
              summary="New time to live for an active reservation, counted from now")
 async def extend(reservation_id: str, body: ExtendIn, caller: Authenticated,
                  idempotency_key: KeyHeader = None) -> Response:

@@ -10,6 +10,10 @@ SELECT tenant_create_v2(%s, %s, %s);
 -- name: tenant_find_by_name
 SELECT tenant_id FROM tenant WHERE name = %s;
 
+-- name: tenant_list
+-- Every tenant (the admin's `pgreserve tenant list`), oldest first.
+SELECT tenant_id, name, created_at FROM tenant ORDER BY tenant_id;
+
 -- name: tenant_exists
 SELECT 1 FROM tenant WHERE tenant_id = %s;
 

@@ -1,0 +1,384 @@
+"""Typed clients of the pgreserve HTTP API: `Client` (sync) and `AsyncClient` (asyncio).
+
+    from pgreserve.client import Client
+
+    with Client("http://127.0.0.1:8000", api_key) as shop:
+        shop.set_stock("tee-red-m", "berlin", 50)
+        out = shop.reserve([("tee-red-m", "berlin", 2)], ttl_seconds=900)
+        if out.held:
+            shop.claim(out.reservation.id)
+
+Every write carries an Idempotency-Key (the caller's, or one made per call), so a
+retry after a lost reply, a 503 (busy, outcome unknown), a 429 (the tenant's
+in-flight limit) or a dropped connection gets
+the stored outcome instead of acting twice. Retries are bounded (`retries`), with
+exponential backoff and jitter, and wait at least what a Retry-After header asks
+(up to `max_backoff`). Errors are the typed errors of `pgreserve.errors` (and
+`pgreserve.http.problems` for the HTTP-only ones), chosen by the problem's `code`;
+`exc.details` holds `status` and the problem document. A sold-out reserve is not an
+error: it returns a `ReserveOutcome` with `held` False and the short lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+from urllib.parse import quote
+
+import httpx
+
+from . import errors
+from .domain import Line, Reservation, ReserveOutcome, ShortLine, Strategy
+from .http import problems  # noqa: F401 - defines the HTTP-only error classes mapped below
+
+__all__ = ["ApiError", "AsyncClient", "Client", "Stock"]
+
+DEFAULT_TIMEOUT_S = 10.0
+DEFAULT_RETRIES = 4
+REPLAYED_HEADER = "Idempotent-Replayed"
+KEY_PREFIX = "pgr-client-"
+
+
+class ApiError(errors.PgReserveError):
+    """An answer with no known problem code (e.g. a proxy's 502 page)."""
+
+    code = "api_error"
+
+
+@dataclass(frozen=True)
+class Stock:
+    """A bucket as the API shows it."""
+
+    sku: str
+    location: str
+    on_hand: int
+    reserved: int
+    available: int
+    strategy: Strategy
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> Stock:
+        return cls(str(doc["sku"]), str(doc["location"]), int(doc["on_hand"]),
+                   int(doc["reserved"]), int(doc["available"]), Strategy(doc["strategy"]))
+
+
+def _error_classes() -> dict[str, type[errors.PgReserveError]]:
+    found: dict[str, type[errors.PgReserveError]] = {}
+    todo: list[type[errors.PgReserveError]] = [errors.PgReserveError]
+    while todo:
+        cls = todo.pop()
+        found.setdefault(cls.code, cls)
+        todo.extend(cls.__subclasses__())
+    return found
+
+
+_ERRORS = _error_classes()
+_RETRY_STATUS = {502, 503, 504}
+_RETRY_CODES = {c.code for c in _ERRORS.values() if c.retryable}
+
+
+def error_from_response(response: httpx.Response) -> errors.PgReserveError:
+    """The typed error a problem response stands for."""
+    try:
+        doc = response.json()
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict) or not isinstance(doc.get("code"), str):
+        return ApiError(f"HTTP {response.status_code}: {response.text[:200]}",
+                        status=response.status_code, problem=None)
+    cls = _ERRORS.get(doc["code"], ApiError)
+    return cls(str(doc.get("detail") or doc.get("title") or doc["code"]),
+               status=response.status_code, problem=doc)
+
+
+def _retryable(response: httpx.Response) -> bool:
+    """Busy, outcome unknown, database unavailable (503), a tenant over its limit (429),
+    the same key in progress (409): every answer whose code is retryable; and a proxy's
+    502/503/504 without one."""
+    if response.status_code < 400:
+        return False
+    try:
+        code = response.json().get("code")
+    except (ValueError, AttributeError):
+        code = None
+    if code is not None:
+        return code in _RETRY_CODES
+    return response.status_code in _RETRY_STATUS
+
+
+def _retry_after(response: httpx.Response | None) -> float:
+    if response is None:
+        return 0.0
+    value = response.headers.get("Retry-After", "")
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return 0.0  # an HTTP date: fall back to the backoff
+
+
+def _lines(lines: Iterable[Line | tuple[str, str, int]]) -> list[dict[str, Any]]:
+    out = []
+    for line in lines:
+        sku, location, quantity = ((line.sku, line.location, line.quantity)
+                                   if isinstance(line, Line) else line)
+        out.append({"sku": sku, "location": location, "quantity": quantity})
+    return out
+
+
+def _outcome(response: httpx.Response) -> ReserveOutcome:
+    replayed = response.headers.get(REPLAYED_HEADER) == "true"
+    if response.status_code == 201:
+        return ReserveOutcome(True, Reservation.from_json(response.json(), replayed),
+                              (), replayed)
+    doc = response.json()
+    short = tuple(ShortLine(s["sku"], s["location"], int(s["requested"]), int(s["available"]))
+                  for s in doc.get("short_lines") or ())
+    return ReserveOutcome(False, None, short, replayed)
+
+
+def _reservation(response: httpx.Response) -> Reservation:
+    return Reservation.from_json(response.json(),
+                                 response.headers.get(REPLAYED_HEADER) == "true")
+
+
+@dataclass(frozen=True)
+class _Call:
+    method: Literal["GET", "PUT", "POST"]
+    path: str
+    body: dict[str, Any] | None = None
+    key: str | None = None
+    ok: tuple[int, ...] = (200,)
+
+    def headers(self) -> dict[str, str]:
+        return {"Idempotency-Key": sf_string(self.key)} if self.key is not None else {}
+
+
+def sf_string(key: str) -> str:
+    """`key` as a structured-field string (`"..."`, `\\` and `"` escaped), the draft's form
+    of the Idempotency-Key header: any printable-ASCII key, quotes included, arrives as
+    itself. Other keys are sent bare."""
+    if all(" " <= ch <= "~" for ch in key):
+        return '"' + key.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return key
+
+
+def _path(*parts: str) -> str:
+    return "/" + "/".join(quote(p, safe="") for p in parts)
+
+
+def _new_key(key: str | None) -> str:
+    return key if key is not None else KEY_PREFIX + uuid.uuid4().hex
+
+
+class _Base:
+    """What both clients share: the calls, the retry policy and the error mapping."""
+
+    def __init__(self, retries: int, backoff: float, max_backoff: float) -> None:
+        if retries < 0:
+            raise ValueError("retries must be >= 0")
+        self.retries = retries
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+
+    def _delay(self, attempt: int, response: httpx.Response | None) -> float:
+        """Seconds before retry number `attempt` (1-based): backoff with full jitter, and at
+        least the Retry-After the server asked for, all capped at max_backoff."""
+        backoff = random.uniform(0, min(self.max_backoff, self.backoff * 2 ** (attempt - 1)))  # noqa: S311
+        return min(self.max_backoff, max(backoff, _retry_after(response)))
+
+    @staticmethod
+    def _result(call: _Call, response: httpx.Response) -> httpx.Response:
+        if response.status_code in call.ok:
+            return response
+        raise error_from_response(response)
+
+    # -- the calls ---------------------------------------------------------------
+
+    @staticmethod
+    def _reserve(lines: Iterable[Line | tuple[str, str, int]], ttl_seconds: int,
+                 key: str | None) -> _Call:
+        return _Call("POST", "/v1/reservations",
+                     {"lines": _lines(lines), "ttl_seconds": ttl_seconds}, _new_key(key),
+                     ok=(201,))
+
+    @staticmethod
+    def _transition(action: str, reservation_id: str, key: str | None,
+                    body: dict[str, Any] | None = None) -> _Call:
+        return _Call("POST", _path("v1", "reservations", reservation_id, action), body,
+                     _new_key(key))
+
+    @staticmethod
+    def _get_reservation(reservation_id: str) -> _Call:
+        return _Call("GET", _path("v1", "reservations", reservation_id))
+
+    @staticmethod
+    def _get_stock(sku: str, location: str) -> _Call:
+        return _Call("GET", _path("v1", "stock", location, sku))
+
+    @staticmethod
+    def _set_stock(sku: str, location: str, on_hand: int,
+                   strategy: Strategy | str | None) -> _Call:
+        body: dict[str, Any] = {"on_hand": on_hand}
+        if strategy is not None:
+            body["strategy"] = Strategy(strategy).value
+        return _Call("PUT", _path("v1", "stock", location, sku), body)
+
+
+def _auth(api_key: str, headers: Mapping[str, str] | None) -> dict[str, str]:
+    return {**(headers or {}), "Authorization": f"Bearer {api_key}"}
+
+
+class Client(_Base):
+    """The HTTP API, synchronously (httpx.Client). Use as a context manager or close()."""
+
+    def __init__(self, base_url: str, api_key: str, *, timeout: float = DEFAULT_TIMEOUT_S,
+                 retries: int = DEFAULT_RETRIES, backoff: float = 0.1, max_backoff: float = 5.0,
+                 headers: Mapping[str, str] | None = None,
+                 http: httpx.Client | None = None) -> None:
+        """`http`: an httpx.Client of your own (proxies, TLS, event hooks); the base URL,
+        key and headers are set on it."""
+        super().__init__(retries, backoff, max_backoff)
+        self._http = http or httpx.Client(timeout=timeout)
+        self._http.base_url = httpx.URL(base_url)
+        self._http.headers.update(_auth(api_key, headers))
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _send(self, call: _Call) -> httpx.Response:
+        attempt = 0
+        while True:
+            response: httpx.Response | None = None
+            try:
+                response = self._http.request(call.method, call.path, json=call.body,
+                                              headers=call.headers())
+                if not _retryable(response) or attempt >= self.retries:
+                    return self._result(call, response)
+            except httpx.TransportError:
+                if attempt >= self.retries:
+                    raise
+            attempt += 1
+            time.sleep(self._delay(attempt, response))
+
+    def reserve(self, lines: Sequence[Line | tuple[str, str, int]], *, ttl_seconds: int = 900,
+                idempotency_key: str | None = None) -> ReserveOutcome:
+        """Hold every line (sku, location, quantity) or none; a sold-out answer is an
+        outcome with held False, not an error."""
+        call = self._reserve(lines, ttl_seconds, idempotency_key)
+        call = _Call(call.method, call.path, call.body, call.key, ok=(201, 409))
+        response = self._send(call)
+        if response.status_code == 409 and response.json().get("code") != "insufficient_stock":
+            raise error_from_response(response)
+        return _outcome(response)
+
+    def claim(self, reservation_id: str, *, idempotency_key: str | None = None) -> Reservation:
+        return _reservation(self._send(self._transition("claim", reservation_id,
+                                                        idempotency_key)))
+
+    def release(self, reservation_id: str, *,
+                idempotency_key: str | None = None) -> Reservation:
+        return _reservation(self._send(self._transition("release", reservation_id,
+                                                        idempotency_key)))
+
+    def extend(self, reservation_id: str, ttl_seconds: int, *,
+               idempotency_key: str | None = None) -> Reservation:
+        return _reservation(self._send(self._transition(
+            "extend", reservation_id, idempotency_key, {"ttl_seconds": ttl_seconds})))
+
+    def get_reservation(self, reservation_id: str) -> Reservation:
+        return _reservation(self._send(self._get_reservation(reservation_id)))
+
+    def get_stock(self, sku: str, location: str) -> Stock:
+        return Stock.from_json(self._send(self._get_stock(sku, location)).json())
+
+    def set_stock(self, sku: str, location: str, on_hand: int, *,
+                  strategy: Strategy | str | None = None) -> Stock:
+        return Stock.from_json(self._send(self._set_stock(sku, location, on_hand,
+                                                          strategy)).json())
+
+
+class AsyncClient(_Base):
+    """The HTTP API for asyncio (httpx.AsyncClient): the same calls as Client, awaited."""
+
+    def __init__(self, base_url: str, api_key: str, *, timeout: float = DEFAULT_TIMEOUT_S,
+                 retries: int = DEFAULT_RETRIES, backoff: float = 0.1, max_backoff: float = 5.0,
+                 headers: Mapping[str, str] | None = None,
+                 http: httpx.AsyncClient | None = None) -> None:
+        super().__init__(retries, backoff, max_backoff)
+        self._http = http or httpx.AsyncClient(timeout=timeout)
+        self._http.base_url = httpx.URL(base_url)
+        self._http.headers.update(_auth(api_key, headers))
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _send(self, call: _Call) -> httpx.Response:
+        attempt = 0
+        while True:
+            response: httpx.Response | None = None
+            try:
+                response = await self._http.request(call.method, call.path, json=call.body,
+                                                    headers=call.headers())
+                if not _retryable(response) or attempt >= self.retries:
+                    return self._result(call, response)
+            except httpx.TransportError:
+                if attempt >= self.retries:
+                    raise
+            attempt += 1
+            await asyncio.sleep(self._delay(attempt, response))
+
+    async def reserve(self, lines: Sequence[Line | tuple[str, str, int]], *,
+                      ttl_seconds: int = 900,
+                      idempotency_key: str | None = None) -> ReserveOutcome:
+        """Hold every line (sku, location, quantity) or none; a sold-out answer is an
+        outcome with held False, not an error."""
+        call = self._reserve(lines, ttl_seconds, idempotency_key)
+        call = _Call(call.method, call.path, call.body, call.key, ok=(201, 409))
+        response = await self._send(call)
+        if response.status_code == 409 and response.json().get("code") != "insufficient_stock":
+            raise error_from_response(response)
+        return _outcome(response)
+
+    async def claim(self, reservation_id: str, *,
+                    idempotency_key: str | None = None) -> Reservation:
+        return _reservation(await self._send(self._transition("claim", reservation_id,
+                                                              idempotency_key)))
+
+    async def release(self, reservation_id: str, *,
+                      idempotency_key: str | None = None) -> Reservation:
+        return _reservation(await self._send(self._transition("release", reservation_id,
+                                                              idempotency_key)))
+
+    async def extend(self, reservation_id: str, ttl_seconds: int, *,
+                     idempotency_key: str | None = None) -> Reservation:
+        return _reservation(await self._send(self._transition(
+            "extend", reservation_id, idempotency_key, {"ttl_seconds": ttl_seconds})))
+
+    async def get_reservation(self, reservation_id: str) -> Reservation:
+        return _reservation(await self._send(self._get_reservation(reservation_id)))
+
+    async def get_stock(self, sku: str, location: str) -> Stock:
+        return Stock.from_json((await self._send(self._get_stock(sku, location))).json())
+
+    async def set_stock(self, sku: str, location: str, on_hand: int, *,
+                        strategy: Strategy | str | None = None) -> Stock:
+        return Stock.from_json((await self._send(self._set_stock(
+            sku, location, on_hand, strategy))).json())
+
