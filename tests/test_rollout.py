@@ -22,10 +22,11 @@ import pytest_asyncio
 
 from pgreserve import errors
 from pgreserve.core.service import ReservationService
-from pgreserve.db.database import Database
+from pgreserve.db.database import Database, deadline
 from pgreserve.domain import Status, Tenant
 from pgreserve.rollout import Mode, RedisHoldStore, Rollout, set_mode
 from pgreserve.rollout import report as reports
+from pgreserve.rollout.comparison import Comparison, Recorder, RolloutMetrics
 from redisserver import RedisServer, binary
 
 BIN = Path(sys.executable).parent / "pgreserve"
@@ -418,6 +419,28 @@ async def test_shadow_mode_pgreserve_failure_is_recorded_not_returned(
     await rollout.recorder.flush()
     _, latest = await reports.report(db, tenant.id)
     assert latest[0].request_key == "k1" and latest[0].pgreserve["error"] == "unknown_stock"
+
+
+async def test_the_comparison_writer_is_not_bound_by_the_deadline_of_a_request(
+        db: Database, tenant: Tenant) -> None:
+    """A comparison recorded inside a request with a short deadline is still written after
+    that deadline has passed (the background writer runs under no request's deadline)."""
+    recorder = Recorder(db, RolloutMetrics(), flush_every_s=0.1)
+    try:
+        with deadline(0.05):  # as the HTTP layer sets one per request
+            recorder.add(Comparison(tenant.id, "shadow", "reserve", "k1", {"held": True},
+                                    {"held": True}, 1.0, 1.0))
+        written = 0
+        for _ in range(100):  # the writer flushes every 0.1 s; wait up to 5 s for it
+            await asyncio.sleep(0.05)
+            rows = await db.fetch("SELECT count(*) FROM rollout_comparison "
+                                  "WHERE tenant_id = %s", (tenant.id,))
+            written = int(rows[0][0])
+            if written:
+                break
+        assert written == 1
+    finally:
+        await recorder.aclose()
 
 
 # -- the command line and the API -----------------------------------------------------
