@@ -262,3 +262,29 @@ def test_reconcile_freeze_freezes_each_drifted_bucket(dsn: str) -> None:
         assert out is not None and out[0]["reason"] == "bucket_frozen"
     again = runner.invoke(main, ["reconcile", "--freeze", "--json", *db])
     assert json.loads(again.output)["frozen"][0]["already"] is True
+
+
+@pytest.mark.parametrize("batching", [True, False], ids=["batched", "unbatched"])
+async def test_a_freeze_holds_under_a_repeatable_read_default(dsn: str, batching: bool) -> None:
+    """With the database's default isolation set to repeatable read, a reserve that waited
+    on the freeze lock still sees the freeze once it is let through, and holds nothing."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        name = conn.execute("SELECT current_database()").fetchone()[0]  # type: ignore[index]  # one row
+        conn.execute(f'ALTER DATABASE "{name}" SET default_transaction_isolation '
+                     "= 'repeatable read'")
+    async with Database(dsn, min_size=1, max_size=4) as db:
+        service = ReservationService(db, batching=batching)
+        tenant = await service.create_tenant("rr")
+        await service.set_stock(tenant.id, "hot", "w", 5)
+        bucket = (await db.fetch("SELECT bucket_id FROM stock_bucket WHERE tenant_id = %s",
+                                 (tenant.id,)))[0][0]
+        await service.reserve(tenant.id, "warm", [("hot", "w", 1)])  # the bucket id is known
+        with psycopg.connect(dsn, application_name="pgreserve:ops") as freezer:
+            freezer.execute("SELECT freeze_set_v1(%s, %s, %s, %s)",
+                            (tenant.id, bucket, "while a reserve waits", BY))
+            buying = asyncio.create_task(service.reserve(tenant.id, "late", [("hot", "w", 1)]))
+            await wait_until_blocked(dsn)  # the reserve waits for the freeze's lock
+            freezer.commit()
+        out = await buying
+        assert not out.held and out.reason == "bucket_frozen"
+        assert hold_count(dsn, tenant.id) == 1  # the warm-up hold only
