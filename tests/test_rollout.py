@@ -408,6 +408,34 @@ async def test_pgreserve_tenants_never_call_redis_and_read_their_mode_once_per_t
         await r.aclose()
 
 
+async def test_a_freeze_stops_new_holds_in_shadow_and_primary_modes(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """A bucket frozen in pgreserve takes no new hold in either store while the tenant is in
+    shadow or primary mode; the refusal is replayed for its key, also after the lift."""
+    for mode in (Mode.SHADOW, Mode.PRIMARY):
+        sku = f"tee-{mode.value}"
+        await seed(service, store, tenant.id, sku, 5)
+        await set_mode(db, tenant.id, mode, "test")
+        await service.freeze(tenant.id, "stock count is wrong", "test@ops", sku=sku,
+                             location="berlin")
+        cart = [(sku, "berlin", 1)]
+        out = await rollout.reserve(tenant.id, f"k-{mode.value}", cart, ttl=60)
+        assert not out.held and out.reason == "bucket_frozen", mode
+        assert await store.available(tenant.id, sku, "berlin") == 5
+        assert await store.held(tenant.id, sku, "berlin") == 0
+        again = await rollout.reserve(tenant.id, f"k-{mode.value}", cart, ttl=60)
+        assert again.replayed and again.reason == "bucket_frozen", mode
+        await service.unfreeze(tenant.id, "recounted", "test@ops", sku=sku, location="berlin")
+        after = await rollout.reserve(tenant.id, f"k-{mode.value}", cart, ttl=60)
+        assert not after.held and after.reason == "bucket_frozen", mode
+        fresh = await rollout.reserve(tenant.id, f"k2-{mode.value}", cart, ttl=60)
+        assert fresh.held, mode
+        assert await store.available(tenant.id, sku, "berlin") == 4
+        assert (await service.get_stock(tenant.id, sku, "berlin")).available == 4
+    assert await service.invariant_violations() == []
+
+
 async def test_shadow_mode_pgreserve_failure_is_recorded_not_returned(
         rollout: Rollout, store: RedisHoldStore, tenant: Tenant, db: Database) -> None:
     """In shadow mode an error of pgreserve (a bucket it does not know) leaves Redis's answer
