@@ -288,3 +288,36 @@ async def test_a_freeze_holds_under_a_repeatable_read_default(dsn: str, batching
         out = await buying
         assert not out.held and out.reason == "bucket_frozen"
         assert hold_count(dsn, tenant.id) == 1  # the warm-up hold only
+
+
+@pytest.mark.parametrize("batching", [True, False], ids=["batched", "unbatched"])
+async def test_tenant_and_bucket_freezes_are_lifted_apart_and_expiry_goes_on(
+        db: Database, tenant: Tenant, batching: bool) -> None:
+    """With a bucket and its tenant both frozen, lifting either leaves the other in force;
+    a hold that expires meanwhile is given back by the sweep; both lifted, reserves hold."""
+    from datetime import UTC, datetime, timedelta
+
+    now = [datetime.now(UTC)]
+    svc = ReservationService(db, batching=batching, clock=lambda: now[0])
+    await svc.set_stock(tenant.id, "hot", "w", 5)
+    await svc.set_stock(tenant.id, "cold", "w", 5)
+    held = await svc.reserve(tenant.id, "early", [("hot", "w", 2)], ttl=60)
+    assert held.held
+    await svc.freeze(tenant.id, "recount", BY, sku="hot", location="w")
+    await svc.freeze(tenant.id, "halt", BY)
+    assert (await svc.reserve(tenant.id, "k1", [("cold", "w", 1)])).reason == "tenant_frozen"
+
+    now[0] += timedelta(seconds=120)  # the early hold is past its expiry
+    assert await svc.expire_due() == 1
+    assert (await svc.get_stock(tenant.id, "hot", "w")).available == 5
+
+    await svc.unfreeze(tenant.id, "resume", BY)
+    assert (await svc.reserve(tenant.id, "k2", [("hot", "w", 1)])).reason == "bucket_frozen"
+    assert (await svc.reserve(tenant.id, "k3", [("cold", "w", 1)])).held
+    await svc.freeze(tenant.id, "halt again", BY)
+    await svc.unfreeze(tenant.id, "recounted", BY, sku="hot", location="w")
+    assert (await svc.reserve(tenant.id, "k4", [("hot", "w", 1)])).reason == "tenant_frozen"
+    await svc.unfreeze(tenant.id, "resume", BY)
+    assert (await svc.reserve(tenant.id, "k5", [("hot", "w", 1)])).held
+    assert (await svc.lookup_request(tenant.id, "k2")).outcome["reason"] == "bucket_frozen"
+    assert await svc.invariant_violations(tenant.id) == []
