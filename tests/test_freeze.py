@@ -15,7 +15,7 @@ from conftest import ApiTenant
 from pgreserve import Database, ReservationService, Tenant
 from pgreserve.cli import main
 from pgreserve.errors import FreezeNotFound, InvalidRequest, UnknownStock
-from test_concurrency import reserve_sql, wait_until_blocked
+from test_concurrency import deadlocks, reserve_sql, wait_until_blocked
 from test_http_api import assert_problem, put_stock, reserve
 
 BY = "test@ops"
@@ -321,3 +321,40 @@ async def test_tenant_and_bucket_freezes_are_lifted_apart_and_expiry_goes_on(
     assert (await svc.reserve(tenant.id, "k5", [("hot", "w", 1)])).held
     assert (await svc.lookup_request(tenant.id, "k2")).outcome["reason"] == "bucket_frozen"
     assert await svc.invariant_violations(tenant.id) == []
+
+
+async def test_freezes_toggled_under_a_mixed_sale_never_deadlock(dsn: str) -> None:
+    """Bucket and tenant freezes set and lifted over and over while buyers reserve one-line
+    (batched) and two-line carts and claim or release their holds: no deadlock, no error,
+    and the books balance."""
+    async with Database(dsn, min_size=8, max_size=20) as db:
+        svc = ReservationService(db)
+        tenant = await svc.create_tenant("mix")
+        for sku in ("a", "b"):
+            await svc.set_stock(tenant.id, sku, "w", 100_000)
+        before = deadlocks(dsn)
+        done = asyncio.Event()
+
+        async def buyer(n: int) -> None:
+            for i in range(40):
+                cart = [("a", "w", 1)] if i % 2 else [("a", "w", 1), ("b", "w", 1)]
+                out = await svc.reserve(tenant.id, f"b{n}-{i}", cart)
+                if out.held and out.reservation is not None:
+                    if i % 3:
+                        await svc.claim(tenant.id, out.reservation.id)
+                    else:
+                        await svc.release(tenant.id, out.reservation.id)
+
+        async def freezer() -> None:
+            while not done.is_set():
+                await svc.freeze(tenant.id, "toggle", BY, sku="a", location="w")
+                await svc.freeze(tenant.id, "toggle", BY)
+                await svc.unfreeze(tenant.id, "toggle", BY, sku="a", location="w")
+                await svc.unfreeze(tenant.id, "toggle", BY)
+
+        toggling = asyncio.create_task(freezer())
+        await asyncio.gather(*(buyer(n) for n in range(16)))
+        done.set()
+        await toggling
+        assert deadlocks(dsn) == before
+        assert await svc.invariant_violations(tenant.id) == []
