@@ -86,7 +86,7 @@ async def test_http_lookup_finds_a_key_sent_as_utf8_in_the_header(
     await put_stock(api, "tee", 2)
     key = "commande-é-№1"
     first = await api.client.post(
-        "/v1/reservations", headers={"Idempotency-Key": key.encode("utf-8")},
+        "/v1/reservations", headers={b"Idempotency-Key": key.encode("utf-8")},
         json={"lines": [{"sku": "tee", "location": "wh", "quantity": 1}]})
     assert first.status_code == 201, first.text
     got = await api.client.get("/v1/requests/" + quote(key, safe=""))
