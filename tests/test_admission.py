@@ -273,6 +273,23 @@ async def test_the_tenant_limit_refuses_the_hot_tenant_and_serves_the_others(dsn
         assert again.status_code == 201, again.text
 
 
+async def test_a_cancelled_request_gives_its_tenant_slot_back(dsn: str) -> None:
+    """With at most one request per tenant in flight, a request cancelled while it waits
+    on a lock (the client went away) frees the tenant's slot: the next one is served."""
+    settings = TxSettings(lock_timeout_ms=30_000)
+    async for api in make_api(dsn, settings, 4, request_deadline_s=30, tenant_max_in_flight=1):
+        tenant = api.tenants[0]
+        with bucket_locked(dsn, await bucket_id(api.db, tenant, "a")) as blocker:
+            first = asyncio.create_task(reserve(api.a, "first", "a"))
+            await wait_until_blocked(dsn)
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            served = await reserve(api.a, "second", "b")
+            assert served.status_code == 201, served.text
+            blocker.rollback()
+
+
 def test_create_app_refuses_a_deadline_out_of_range(dsn: str) -> None:
     """A request deadline outside 0.1..600 s is refused when the app is built."""
     from pgreserve.errors import InvalidRequest

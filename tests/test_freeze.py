@@ -15,7 +15,7 @@ from conftest import ApiTenant
 from pgreserve import Database, ReservationService, Tenant
 from pgreserve.cli import main
 from pgreserve.errors import FreezeNotFound, InvalidRequest, UnknownStock
-from test_concurrency import reserve_sql, wait_until_blocked
+from test_concurrency import deadlocks, reserve_sql, wait_until_blocked
 from test_http_api import assert_problem, put_stock, reserve
 
 BY = "test@ops"
@@ -262,3 +262,99 @@ def test_reconcile_freeze_freezes_each_drifted_bucket(dsn: str) -> None:
         assert out is not None and out[0]["reason"] == "bucket_frozen"
     again = runner.invoke(main, ["reconcile", "--freeze", "--json", *db])
     assert json.loads(again.output)["frozen"][0]["already"] is True
+
+
+@pytest.mark.parametrize("batching", [True, False], ids=["batched", "unbatched"])
+async def test_a_freeze_holds_under_a_repeatable_read_default(dsn: str, batching: bool) -> None:
+    """With the database's default isolation set to repeatable read, a reserve that waited
+    on the freeze lock still sees the freeze once it is let through, and holds nothing."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        name = conn.execute("SELECT current_database()").fetchone()[0]  # type: ignore[index]  # one row
+        conn.execute(f'ALTER DATABASE "{name}" SET default_transaction_isolation '
+                     "= 'repeatable read'")
+    async with Database(dsn, min_size=1, max_size=4) as db:
+        service = ReservationService(db, batching=batching)
+        tenant = await service.create_tenant("rr")
+        await service.set_stock(tenant.id, "hot", "w", 5)
+        bucket = (await db.fetch("SELECT bucket_id FROM stock_bucket WHERE tenant_id = %s",
+                                 (tenant.id,)))[0][0]
+        await service.reserve(tenant.id, "warm", [("hot", "w", 1)])  # the bucket id is known
+        with psycopg.connect(dsn, application_name="pgreserve:ops") as freezer:
+            freezer.execute("SELECT freeze_set_v1(%s, %s, %s, %s)",
+                            (tenant.id, bucket, "while a reserve waits", BY))
+            buying = asyncio.create_task(service.reserve(tenant.id, "late", [("hot", "w", 1)]))
+            await wait_until_blocked(dsn)  # the reserve waits for the freeze's lock
+            freezer.commit()
+        out = await buying
+        assert not out.held and out.reason == "bucket_frozen"
+        assert hold_count(dsn, tenant.id) == 1  # the warm-up hold only
+
+
+@pytest.mark.parametrize("batching", [True, False], ids=["batched", "unbatched"])
+async def test_tenant_and_bucket_freezes_are_lifted_apart_and_expiry_goes_on(
+        db: Database, tenant: Tenant, batching: bool) -> None:
+    """With a bucket and its tenant both frozen, lifting either leaves the other in force;
+    a hold that expires meanwhile is given back by the sweep; both lifted, reserves hold."""
+    from datetime import UTC, datetime, timedelta
+
+    now = [datetime.now(UTC)]
+    svc = ReservationService(db, batching=batching, clock=lambda: now[0])
+    await svc.set_stock(tenant.id, "hot", "w", 5)
+    await svc.set_stock(tenant.id, "cold", "w", 5)
+    held = await svc.reserve(tenant.id, "early", [("hot", "w", 2)], ttl=60)
+    assert held.held
+    await svc.freeze(tenant.id, "recount", BY, sku="hot", location="w")
+    await svc.freeze(tenant.id, "halt", BY)
+    assert (await svc.reserve(tenant.id, "k1", [("cold", "w", 1)])).reason == "tenant_frozen"
+
+    now[0] += timedelta(seconds=120)  # the early hold is past its expiry
+    assert await svc.expire_due() == 1
+    assert (await svc.get_stock(tenant.id, "hot", "w")).available == 5
+
+    await svc.unfreeze(tenant.id, "resume", BY)
+    assert (await svc.reserve(tenant.id, "k2", [("hot", "w", 1)])).reason == "bucket_frozen"
+    assert (await svc.reserve(tenant.id, "k3", [("cold", "w", 1)])).held
+    await svc.freeze(tenant.id, "halt again", BY)
+    await svc.unfreeze(tenant.id, "recounted", BY, sku="hot", location="w")
+    assert (await svc.reserve(tenant.id, "k4", [("hot", "w", 1)])).reason == "tenant_frozen"
+    await svc.unfreeze(tenant.id, "resume", BY)
+    assert (await svc.reserve(tenant.id, "k5", [("hot", "w", 1)])).held
+    assert (await svc.lookup_request(tenant.id, "k2")).outcome["reason"] == "bucket_frozen"
+    assert await svc.invariant_violations(tenant.id) == []
+
+
+async def test_freezes_toggled_under_a_mixed_sale_never_deadlock(dsn: str) -> None:
+    """Bucket and tenant freezes set and lifted over and over while buyers reserve one-line
+    (batched) and two-line carts and claim or release their holds: no deadlock, no error,
+    and the books balance."""
+    async with Database(dsn, min_size=8, max_size=20) as db:
+        svc = ReservationService(db)
+        tenant = await svc.create_tenant("mix")
+        for sku in ("a", "b"):
+            await svc.set_stock(tenant.id, sku, "w", 100_000)
+        before = deadlocks(dsn)
+        done = asyncio.Event()
+
+        async def buyer(n: int) -> None:
+            for i in range(40):
+                cart = [("a", "w", 1)] if i % 2 else [("a", "w", 1), ("b", "w", 1)]
+                out = await svc.reserve(tenant.id, f"b{n}-{i}", cart)
+                if out.held and out.reservation is not None:
+                    if i % 3:
+                        await svc.claim(tenant.id, out.reservation.id)
+                    else:
+                        await svc.release(tenant.id, out.reservation.id)
+
+        async def freezer() -> None:
+            while not done.is_set():
+                await svc.freeze(tenant.id, "toggle", BY, sku="a", location="w")
+                await svc.freeze(tenant.id, "toggle", BY)
+                await svc.unfreeze(tenant.id, "toggle", BY, sku="a", location="w")
+                await svc.unfreeze(tenant.id, "toggle", BY)
+
+        toggling = asyncio.create_task(freezer())
+        await asyncio.gather(*(buyer(n) for n in range(16)))
+        done.set()
+        await toggling
+        assert deadlocks(dsn) == before
+        assert await svc.invariant_violations(tenant.id) == []

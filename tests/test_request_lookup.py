@@ -3,6 +3,8 @@ the reservation as it is now."""
 
 from __future__ import annotations
 
+from urllib.parse import quote
+
 import pytest
 
 from conftest import ApiTenant
@@ -75,3 +77,23 @@ async def test_http_lookup_returns_the_first_answer_and_the_state_now(
     assert_problem(await other.client.get("/v1/requests/buy-2"), 404, "request_not_found")
     anonymous = await api.client.get("/v1/requests/buy-2", headers={"Authorization": ""})
     assert_problem(anonymous, 401, "unauthorized")
+
+
+async def test_http_lookup_finds_a_key_sent_as_utf8_in_the_header(
+        api: ApiTenant, other: ApiTenant) -> None:
+    """A non-ASCII Idempotency-Key sent as UTF-8 is found by GET /v1/requests/{key} with
+    that key percent-encoded as UTF-8; another tenant still gets 404 request_not_found."""
+    await put_stock(api, "tee", 2)
+    key = "commande-é-№1"
+    first = await api.client.post(
+        "/v1/reservations", headers={b"Idempotency-Key": key.encode("utf-8")},
+        json={"lines": [{"sku": "tee", "location": "wh", "quantity": 1}]})
+    assert first.status_code == 201, first.text
+    got = await api.client.get("/v1/requests/" + quote(key, safe=""))
+    assert got.status_code == 200, got.text
+    assert got.json()["answer"] == first.json()
+    theirs = await other.client.get("/v1/requests/" + quote(key, safe=""))
+    assert_problem(theirs, 404, "request_not_found")
+    assert key in theirs.json()["detail"]
+    assert_problem(await api.client.get("/v1/requests/" + quote("commande-é-№2", safe="")),
+                   404, "request_not_found")

@@ -23,10 +23,11 @@ import pytest_asyncio
 import toolcheck
 from pgreserve import errors
 from pgreserve.core.service import ReservationService
-from pgreserve.db.database import Database
+from pgreserve.db.database import Database, deadline
 from pgreserve.domain import Status, Tenant
 from pgreserve.rollout import Mode, RedisHoldStore, Rollout, set_mode
 from pgreserve.rollout import report as reports
+from pgreserve.rollout.comparison import Comparison, Recorder, RolloutMetrics
 from redisserver import RedisServer
 
 BIN = Path(sys.executable).parent / "pgreserve"
@@ -406,6 +407,34 @@ async def test_pgreserve_tenants_never_call_redis_and_read_their_mode_once_per_t
         await r.aclose()
 
 
+async def test_a_freeze_stops_new_holds_in_shadow_and_primary_modes(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """A bucket frozen in pgreserve takes no new hold in either store while the tenant is in
+    shadow or primary mode; the refusal is replayed for its key, also after the lift."""
+    for mode in (Mode.SHADOW, Mode.PRIMARY):
+        sku = f"tee-{mode.value}"
+        await seed(service, store, tenant.id, sku, 5)
+        await set_mode(db, tenant.id, mode, "test")
+        await service.freeze(tenant.id, "stock count is wrong", "test@ops", sku=sku,
+                             location="berlin")
+        cart = [(sku, "berlin", 1)]
+        out = await rollout.reserve(tenant.id, f"k-{mode.value}", cart, ttl=60)
+        assert not out.held and out.reason == "bucket_frozen", mode
+        assert await store.available(tenant.id, sku, "berlin") == 5
+        assert await store.held(tenant.id, sku, "berlin") == 0
+        again = await rollout.reserve(tenant.id, f"k-{mode.value}", cart, ttl=60)
+        assert again.replayed and again.reason == "bucket_frozen", mode
+        await service.unfreeze(tenant.id, "recounted", "test@ops", sku=sku, location="berlin")
+        after = await rollout.reserve(tenant.id, f"k-{mode.value}", cart, ttl=60)
+        assert not after.held and after.reason == "bucket_frozen", mode
+        fresh = await rollout.reserve(tenant.id, f"k2-{mode.value}", cart, ttl=60)
+        assert fresh.held, mode
+        assert await store.available(tenant.id, sku, "berlin") == 4
+        assert (await service.get_stock(tenant.id, sku, "berlin")).available == 4
+    assert await service.invariant_violations() == []
+
+
 async def test_shadow_mode_pgreserve_failure_is_recorded_not_returned(
         rollout: Rollout, store: RedisHoldStore, tenant: Tenant, db: Database) -> None:
     """In shadow mode an error of pgreserve (a bucket it does not know) leaves Redis's answer
@@ -417,6 +446,28 @@ async def test_shadow_mode_pgreserve_failure_is_recorded_not_returned(
     await rollout.recorder.flush()
     _, latest = await reports.report(db, tenant.id)
     assert latest[0].request_key == "k1" and latest[0].pgreserve["error"] == "unknown_stock"
+
+
+async def test_the_comparison_writer_is_not_bound_by_the_deadline_of_a_request(
+        db: Database, tenant: Tenant) -> None:
+    """A comparison recorded inside a request with a short deadline is still written after
+    that deadline has passed (the background writer runs under no request's deadline)."""
+    recorder = Recorder(db, RolloutMetrics(), flush_every_s=0.1)
+    try:
+        with deadline(0.05):  # as the HTTP layer sets one per request
+            recorder.add(Comparison(tenant.id, "shadow", "reserve", "k1", {"held": True},
+                                    {"held": True}, 1.0, 1.0))
+        written = 0
+        for _ in range(100):  # the writer flushes every 0.1 s; wait up to 5 s for it
+            await asyncio.sleep(0.05)
+            rows = await db.fetch("SELECT count(*) FROM rollout_comparison "
+                                  "WHERE tenant_id = %s", (tenant.id,))
+            written = int(rows[0][0])
+            if written:
+                break
+        assert written == 1
+    finally:
+        await recorder.aclose()
 
 
 # -- the command line and the API -----------------------------------------------------

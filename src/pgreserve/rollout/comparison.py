@@ -20,7 +20,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .. import errors
-from ..db.database import Database, Op
+from ..db.database import Database, Op, deadline_at
 from ..db.queries import queries
 from ..domain import Reservation, ReserveOutcome
 
@@ -143,12 +143,15 @@ class Recorder:
             self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
-        while self._rows or self._traffic:
-            await asyncio.sleep(self.flush_every_s)
-            try:
-                await self.flush()
-            except Exception:  # logged; the rows are kept for the next try
-                log.exception("rollout comparisons not written; retrying")
+        # Started from inside a request, this task copied that request's deadline:
+        # its writes are not that request's and run under none.
+        with deadline_at(None):
+            while self._rows or self._traffic:
+                await asyncio.sleep(self.flush_every_s)
+                try:
+                    await self.flush()
+                except Exception:  # logged; the rows are kept for the next try
+                    log.exception("rollout comparisons not written; retrying")
 
     async def flush(self) -> int:
         """Write what is buffered; return the comparisons written."""

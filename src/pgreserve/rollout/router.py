@@ -2,7 +2,8 @@
 
 - `legacy`: Redis answers; pgreserve is not written (a claim's sale goes to
   `rollout_legacy_sale` after Redis dropped the hold, as the legacy design does).
-- `shadow`: Redis answers; pgreserve gets the same request (same request key).
+- `shadow`: Redis answers; pgreserve gets the same request (same request key). A
+  reserve pgreserve refuses as frozen is refused (`_frozen_in_shadow`).
 - `primary`: pgreserve answers; Redis gets the same request, so going back is one
   command and Redis has every hold (a cart Redis refuses is refused: see
   `_reserve_primary`).
@@ -51,6 +52,9 @@ from .redis_store import HoldRecord, RedisHoldStore
 log = logging.getLogger(__name__)
 
 CLOCK_MARGIN = timedelta(seconds=5)
+# The pgreserve id a Redis hold is linked to when the caller was told pgreserve's
+# freeze refusal instead (shadow mode): the hold was given back at once.
+FROZEN_LINK = "frozen"
 
 OP_SALE = Op("rollout", "rollout_legacy_sale_record", "rollout/legacy-sale")
 OP_TENANTS = Op("sweeper", "rollout_redis_tenant_list", "worker/rollout-expiry")
@@ -189,6 +193,10 @@ class Rollout:
         pg, pg_out, pg_ms = await self._pg_reserve(tenant, key, cart, life)
         self._compare(tenant, Mode.SHADOW, "reserve", key, reserve_outcome(legacy), pg_out,
                       legacy_ms, pg_ms)
+        if pg is not None and pg.frozen and legacy.held:
+            refused = await self._frozen_in_shadow(tenant, legacy, pg)
+            if refused is not None:
+                return refused
         if pg is not None and pg.held and not pg.replayed:
             if legacy.held:
                 await self._secondary(self.store.link(tenant, _rid(legacy), _rid(pg)),
@@ -197,6 +205,24 @@ class Rollout:
                 await self._secondary(self.service.release(tenant, _rid(pg)), "pgreserve",
                                       "release")
         return legacy
+
+    async def _frozen_in_shadow(self, tenant: int, legacy: ReserveOutcome,
+                                pg: ReserveOutcome) -> ReserveOutcome | None:
+        """A freeze stops new holds in shadow mode too: the caller gets pgreserve's stored
+        refusal and Redis's hold goes back. The Redis hold is marked first, so a replay of
+        the key gives the same refusal. None: Redis's answer stands (it could not be
+        marked, or a replay whose first answer was Redis's)."""
+        rid = _rid(legacy)
+        if legacy.replayed:
+            record = await self.store.record(tenant, rid)
+            return pg if record is not None and record.pg_id == FROZEN_LINK else None
+        try:
+            await self.store.link(tenant, rid, FROZEN_LINK)
+        except Exception:  # noqa: BLE001 - unmarked, Redis's answer has to stand
+            self.metrics.secondary_failures.labels("legacy", "link").inc()
+            return None
+        await self._secondary(self.store.release(tenant, rid), "legacy", "release")
+        return pg
 
     async def _pg_reserve(self, tenant: int, key: str, cart: list[Line],
                           life: timedelta) -> tuple[ReserveOutcome | None, dict[str, Any], float]:
@@ -338,7 +364,7 @@ class Rollout:
                          ttl: timedelta | None) -> tuple[dict[str, Any], float]:
         started = perf_counter()
         try:
-            if pg_id is None:
+            if pg_id is None or pg_id == FROZEN_LINK:
                 raise ReservationNotFound("pgreserve has no reservation beside this hold")
             done = await self._pg(action, tenant, pg_id, request_key, ttl)
         except Exception as exc:  # noqa: BLE001 - the secondary side never fails the caller

@@ -9,6 +9,7 @@ from fastapi import APIRouter
 from starlette.convertors import Convertor, register_url_convertor
 from starlette.responses import Response
 
+from ... import errors
 from ...domain import RequestRecord, Reservation, ReserveOutcome, StockView
 from .. import problems
 from ..dependencies import PathName, Service, Tenant, stored_name
@@ -40,7 +41,20 @@ register_url_convertor("request_key", RequestKeyConvertor())
             summary="The stored answer under an Idempotency-Key, and the reservation it "
                     "names as it is now")
 async def get_request(key: PathName, tenant: Tenant, svc: Service) -> Response:
-    record = await svc.lookup_request(tenant, stored_name(key, "key"))
+    wanted = stored_name(key, "key")
+    try:
+        record = await svc.lookup_request(tenant, wanted)
+    except errors.RequestNotFound as missing:
+        # The path is read as UTF-8, a header as ISO-8859-1 (as HTTP reads it): a key
+        # sent in Idempotency-Key as UTF-8 bytes was stored as those bytes' ISO-8859-1
+        # reading. Look that up too, so the key sent is the key looked up.
+        sent = wanted.encode("utf-8").decode("latin-1")
+        if sent == wanted:
+            raise
+        try:
+            record = await svc.lookup_request(tenant, sent)
+        except (errors.RequestNotFound, errors.InvalidRequest):
+            raise missing from None
     return json_response(200, request_doc(record))
 
 

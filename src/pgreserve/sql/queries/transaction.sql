@@ -2,7 +2,10 @@
 
 -- name: transaction_begin
 -- The two limits are literals composed in Python (psycopg.sql): one simple query per call.
-BEGIN; SET LOCAL lock_timeout = {}; SET LOCAL statement_timeout = {};
+-- READ COMMITTED whatever the server's default: every function reads what committed
+-- before each of its statements (a reserve that waited on a freeze lock sees the
+-- freeze; a conditional UPDATE re-checks the row it waited for).
+BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL lock_timeout = {}; SET LOCAL statement_timeout = {};
 
 -- name: transaction_commit
 COMMIT;
