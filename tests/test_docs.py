@@ -101,7 +101,7 @@ def test_readme_typed_client_example_runs_as_written(tmp_path: Path) -> None:
     script = tmp_path / "example.py"
     script.write_text(example.replace("127.0.0.1:8000", f"127.0.0.1:{port}"))
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    shown = re.search(r"It prints `(Stock\(.*?\))`", text)
+    shown = re.search(r"[Ii]t prints `(Stock\(.*?\))`", text)
     assert shown is not None
     work = Path(tempfile.mkdtemp(prefix="pgr-"))  # `make run` runs up in the checkout
     env = {k: v for k, v in os.environ.items() if not k.startswith("PGRESERVE_")}

@@ -20,8 +20,8 @@ import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pgreserve import apikeys
-from pgreserve.http import server
+from pgreserve import Database, ReservationService, apikeys
+from pgreserve.http import create_app, server
 from pgreserve.http.requestlog import RequestLog, format_text
 from pgreserve.http.server import Listeners
 from test_cli_up import BIN, free_port
@@ -371,3 +371,27 @@ def test_serve_with_the_ops_port_taken_exits_with_a_message(dsn: str, workers: i
     assert out.returncode == 1, out.stderr
     assert f"127.0.0.1:{busy}" in out.stderr and "ops listener" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+async def test_request_log_shows_the_key_the_service_used(
+        db: Database, service: ReservationService) -> None:
+    """A quoted (sf-string) Idempotency-Key is logged as the key it names, the one a
+    lookup by key finds; a malformed one is logged as sent."""
+    _, key = await service.create_tenant_with_key("acme")
+    await service.set_stock(1, "hot", "wh", 5)
+    out = io.StringIO()
+    log = RequestLog("json", stream=out)
+    app = create_app(database=db, request_log=log)
+    auth = {"Authorization": f"Bearer {key}"}
+    body = {"lines": [{"sku": "hot", "location": "wh", "quantity": 1}], "ttl_seconds": 60}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://test", headers=auth) as client:
+        held = await client.post("/v1/reservations", json=body,
+                                 headers={"Idempotency-Key": '"order-7"'})
+        assert held.status_code == 201
+        bad = await client.post("/v1/reservations", json=body,
+                                headers={"Idempotency-Key": '"no-closing-quote'})
+        assert bad.status_code == 400
+    log.flush()
+    keys = [json.loads(line)["request_key"] for line in out.getvalue().splitlines()]
+    assert keys == ["order-7", '"no-closing-quote']

@@ -682,7 +682,8 @@ def test_up_with_a_legacy_store_serves_a_legacy_tenant_from_redis(
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PGRESERVE_")}
     env["PGRESERVE_LEGACY_REDIS_URL"] = redis_server.url
-    proc = subprocess.Popen([str(BIN), "up", "--data-dir", data, "--port", str(port)],
+    proc = subprocess.Popen([str(BIN), "up", "--data-dir", data, "--port", str(port),
+                             "--ops-port", str(free_port())],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     up = threading.Event()

@@ -6,6 +6,7 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from .. import errors
 from . import problems
 from .metrics import ApiMetrics
 from .requestlog import KEY_CHARS, RequestLog, outcome_of
@@ -119,8 +120,19 @@ class ObserveRequests:
                 key = None
                 for name, value in scope.get("headers", ()):
                     if name == _KEY_HEADER:
-                        key = value.decode("latin-1")[:KEY_CHARS]
+                        key = _logged_key(value.decode("latin-1"))
                         break
                 self.log.emit((time.time(), method, path, status, outcome_of(status, replayed),
                                scope.get(TENANT_KEY), key, seconds,
                                error or scope.get(ERROR_KEY)))
+
+
+def _logged_key(raw: str) -> str:
+    """The key the service used (a quoted sf-string's content), or the raw value when
+    the header was refused as malformed; at most KEY_CHARS characters."""
+    from .dependencies import parse_idempotency_key  # dependencies imports this module
+
+    try:
+        return parse_idempotency_key(raw)[:KEY_CHARS]
+    except errors.PgReserveError:
+        return raw[:KEY_CHARS]
