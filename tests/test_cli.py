@@ -48,13 +48,16 @@ def with_password(dsn: str, password: str) -> str:
 
 
 @contextmanager
-def running_up(*args: str, cwd: str | Path | None = None) -> Iterator[list[str]]:
+def running_up(*args: str, cwd: str | Path | None = None,
+               env: dict[str, str] | None = None) -> Iterator[list[str]]:
     """`pgreserve up ARGS` in a subprocess until it says it is up; SIGTERM at the end.
-    The ops listener gets a free port unless ARGS name one."""
+    The ops listener gets a free port unless ARGS name one; `env` (default: this
+    environment without PGRESERVE_*) is the process's environment."""
     if "--ops-port" not in args:
         args = (*args, "--ops-port", str(free_port()))
     proc = subprocess.Popen([str(BIN), "up", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=clean_env(), cwd=cwd)
+                            stderr=subprocess.STDOUT, text=True,
+                            env=clean_env() if env is None else env, cwd=cwd)
     lines: list[str] = []
     up = threading.Event()
 

@@ -673,60 +673,40 @@ def test_up_with_a_legacy_store_serves_a_legacy_tenant_from_redis(
     from Redis (the switch seen without a restart) and gives expired Redis holds back."""
     import shutil
     import tempfile
-    import threading
 
+    from test_cli import clean_env, running_up
     from test_cli_up import free_port
 
     root = Path(tempfile.mkdtemp(prefix="pgr-"))
     data = str(root / "data")
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PGRESERVE_")}
-    env["PGRESERVE_LEGACY_REDIS_URL"] = redis_server.url
-    proc = subprocess.Popen([str(BIN), "up", "--data-dir", data, "--port", str(port),
-                             "--ops-port", str(free_port())],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: list[str] = []
-    up = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if "Press Ctrl-C" in line:
-                up.set()
-
-    threading.Thread(target=read, daemon=True).start()
+    env = clean_env(PGRESERVE_LEGACY_REDIS_URL=redis_server.url)
 
     def cli(*args: str) -> str:
         return subprocess.run([str(BIN), *args, "--data-dir", data], capture_output=True,
                               text=True, env=env, timeout=120, check=True).stdout
 
     try:
-        assert up.wait(120), "".join(lines)
-        key = json.loads(cli("tenant", "create", "shop", "--json"))["api_key"]
-        cli("rollout", "set", "shop", "legacy", "--by", "ops")
-        tenant_id = next(r["tenant_id"] for r in json.loads(cli("rollout", "status", "--json"))
-                         if r["tenant"] == "shop")
-        counter = RedisHoldStore(redis_server.url).counter_key(tenant_id, "tee", "wh")
-        redis = redis_server.client()
-        time.sleep(1.5)  # the API process reads a tenant's mode at most once a second
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
-                          headers={"Authorization": f"Bearer {key}"}) as client:
-            assert client.put("/v1/stock/wh/tee", json={"on_hand": 4}).status_code == 200
-            assert int(redis.get(counter) or 0) == 4
-            made = client.post("/v1/reservations", headers={"Idempotency-Key": "o-1"},
-                               json={"lines": [{"sku": "tee", "location": "wh", "quantity": 3}],
-                                     "ttl_seconds": 1})
-            assert made.status_code == 201
-            assert int(redis.get(counter) or 0) == 1
-            deadline = time.monotonic() + 30
-            while int(redis.get(counter) or 0) != 4 and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert int(redis.get(counter) or 0) == 4  # the expired hold was given back
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, "".join(lines)
+        with running_up("--data-dir", data, "--port", str(port), env=env):
+            key = json.loads(cli("tenant", "create", "shop", "--json"))["api_key"]
+            cli("rollout", "set", "shop", "legacy", "--by", "ops")
+            tenant_id = next(r["tenant_id"] for r in json.loads(cli("rollout", "status", "--json"))
+                             if r["tenant"] == "shop")
+            counter = RedisHoldStore(redis_server.url).counter_key(tenant_id, "tee", "wh")
+            redis = redis_server.client()
+            time.sleep(1.5)  # the API process reads a tenant's mode at most once a second
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
+                              headers={"Authorization": f"Bearer {key}"}) as client:
+                assert client.put("/v1/stock/wh/tee", json={"on_hand": 4}).status_code == 200
+                assert int(redis.get(counter) or 0) == 4
+                made = client.post("/v1/reservations", headers={"Idempotency-Key": "o-1"},
+                                   json={"lines": [{"sku": "tee", "location": "wh", "quantity": 3}],
+                                         "ttl_seconds": 1})
+                assert made.status_code == 201
+                assert int(redis.get(counter) or 0) == 1
+                deadline = time.monotonic() + 30
+                while int(redis.get(counter) or 0) != 4 and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                assert int(redis.get(counter) or 0) == 4  # the expired hold was given back
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
         shutil.rmtree(root, ignore_errors=True)
