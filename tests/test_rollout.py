@@ -710,3 +710,68 @@ def test_up_with_a_legacy_store_serves_a_legacy_tenant_from_redis(
                 assert int(redis.get(counter) or 0) == 4  # the expired hold was given back
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_primary_replay_keeps_the_hold_the_caller_was_told_when_redis_was_down(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """In primary mode a reserve first answered by pgreserve alone (Redis down) replays as
+    the same hold once Redis is back, even if Redis would now refuse it: the stored answer
+    never changes and the caller's hold is not given back behind its back."""
+    await seed(service, store, tenant.id, "a", 1, "x")
+    await set_mode(db, tenant.id, Mode.PRIMARY, "test")
+    live = rollout.store
+    down = RedisServer()  # never started: nothing listens on its port
+    rollout.store = RedisHoldStore(down.url, namespace=store.namespace, timeout_s=0.2)
+    try:
+        first = await rollout.reserve(tenant.id, "k", [("a", "x", 1)], ttl=60)
+    finally:
+        await rollout.store.aclose()
+        rollout.store = live
+    assert first.held and first.reservation is not None
+    await store.adjust_stock(tenant.id, "a", "x", -1)  # Redis now has no unit for it
+    again = await rollout.reserve(tenant.id, "k", [("a", "x", 1)], ttl=60)
+    assert again.replayed and again.held and again.reservation is not None
+    assert again.reservation.id == first.reservation.id
+    done = await rollout.claim(tenant.id, first.reservation.id)
+    assert done.status is Status.CLAIMED
+    assert await pg_sold(db, tenant.id, "a") == 1
+    assert await service.invariant_violations() == []
+
+
+async def test_a_cancelled_waiter_does_not_free_a_bucket_another_request_holds() -> None:
+    """A request cancelled while waiting for a bucket's turn (its deadline, a dropped
+    client) leaves the bucket held by the request inside it: the next one still waits."""
+    from pgreserve.domain import Line
+    from pgreserve.rollout.router import BucketLocks
+
+    locks = BucketLocks()
+    cart = [Line("a", "x", 1)]
+    inside = asyncio.Event()
+    leave = asyncio.Event()
+    order: list[str] = []
+
+    async def first() -> None:
+        async with locks.hold(1, cart):
+            order.append("first in")
+            inside.set()
+            await leave.wait()
+            order.append("first out")
+
+    async def later(name: str) -> None:
+        async with locks.hold(1, cart):
+            order.append(f"{name} in")
+
+    a = asyncio.create_task(first())
+    await inside.wait()
+    b = asyncio.create_task(later("cancelled"))
+    await asyncio.sleep(0.01)
+    b.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await b
+    c = asyncio.create_task(later("third"))
+    await asyncio.sleep(0.01)
+    leave.set()
+    await asyncio.gather(a, c)
+    assert order == ["first in", "first out", "third in"]
+    assert locks._locks == {}

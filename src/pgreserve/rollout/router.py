@@ -36,7 +36,16 @@ from .. import validation as check
 from ..core.service import ReservationService, digest
 from ..db.database import Op
 from ..db.queries import queries
-from ..domain import DEFAULT_TTL, MIN_TTL, Line, Reservation, ReserveOutcome, StockView, Strategy
+from ..domain import (
+    DEFAULT_TTL,
+    MIN_TTL,
+    Line,
+    Reservation,
+    ReserveOutcome,
+    Status,
+    StockView,
+    Strategy,
+)
 from ..errors import InvalidRequest, ReservationNotFound
 from .comparison import (
     Comparison,
@@ -70,17 +79,19 @@ class BucketLocks:
     async def hold(self, tenant: int, cart: Sequence[Line]) -> AsyncIterator[None]:
         keys = sorted({(tenant, x.sku, x.location) for x in cart})  # one order: no deadlock
         taken: list[tuple[int, str, str]] = []
+        acquired: set[tuple[int, str, str]] = set()
         try:
             for k in keys:
                 lock, users = self._locks.get(k) or (asyncio.Lock(), 0)
                 self._locks[k] = (lock, users + 1)
                 taken.append(k)
                 await lock.acquire()
+                acquired.add(k)
             yield
         finally:
             for k in reversed(taken):
                 lock, users = self._locks[k]
-                if lock.locked():
+                if k in acquired:  # a waiter cancelled in acquire() never held it
                     lock.release()
                 if users <= 1:
                     del self._locks[k]
@@ -252,6 +263,15 @@ class Rollout:
             return pg
         self._compare(tenant, Mode.PRIMARY, "reserve", key, reserve_outcome(legacy),
                       reserve_outcome(pg), _ms(started), pg_ms)
+        if pg.replayed and not legacy.replayed:
+            # Redis first sees this key now (it failed the first time): pgreserve's stored
+            # answer was the caller's and stays theirs. A Redis hold beside a pgreserve
+            # hold that is no longer active would keep units nobody will claim.
+            active = pg.reservation is not None and pg.reservation.status is Status.ACTIVE
+            if legacy.held and not (pg.held and active):
+                await self._secondary(self.store.release(tenant, _rid(legacy)), "legacy",
+                                      "release")
+            return pg
         if legacy.held and not pg.held and not legacy.replayed:
             await self._secondary(self.store.release(tenant, _rid(legacy)), "legacy", "release")
         if pg.held and not legacy.held:
