@@ -775,3 +775,16 @@ async def test_a_cancelled_waiter_does_not_free_a_bucket_another_request_holds()
     await asyncio.gather(a, c)
     assert order == ["first in", "first out", "third in"]
     assert locks._locks == {}
+
+
+async def test_rollout_cli_bad_input_gives_a_message_not_a_traceback(db: Database) -> None:
+    """`rollout rehearse` with a URL that is not a redis:// URL, and `rollout set` with an
+    empty --by, exit non-zero with a message naming the problem and no traceback."""
+    for args, said in ((("rehearse", "--legacy-redis-url", "not-a-url", "--buyers", "2"),
+                        "redis"),
+                       (("set", "nobody-here", "shadow"), "nobody-here"),
+                       (("report", "--tenant", "nobody-here"), "nobody-here")):
+        bad = await run(str(BIN), "rollout", *args, "--database-url", db.conninfo,
+                        check=False)
+        assert bad.returncode != 0 and "Traceback" not in bad.stderr, bad.stderr
+        assert said in bad.stderr.lower()

@@ -195,8 +195,12 @@ class RedisHoldStore:
                                         field="namespace")
         self.url = url
         self.namespace = namespace
-        self.redis: aioredis.Redis = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        try:
+            self.redis: aioredis.Redis = aioredis.Redis.from_url(
+                url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        except ValueError as exc:  # not a redis://, rediss:// or unix:// URL
+            raise errors.InvalidRequest(f"legacy Redis URL {url!r}: {exc}",
+                                        field="legacy_redis_url") from None
         self._reserve = self.redis.register_script(_RESERVE)
         self._finish = self.redis.register_script(_FINISH)
         self._set_stock = self.redis.register_script(_SET_STOCK)
