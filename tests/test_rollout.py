@@ -788,3 +788,55 @@ async def test_rollout_cli_bad_input_gives_a_message_not_a_traceback(db: Databas
                         check=False)
         assert bad.returncode != 0 and "Traceback" not in bad.stderr, bad.stderr
         assert said in bad.stderr.lower()
+
+
+async def test_shadow_claim_of_a_hold_redis_expired_sells_nothing_in_pgreserve(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """In shadow mode a claim that Redis answers 'expired' (its TTL ran out first) gives
+    the units back in both stores: pgreserve does not sell what the caller was told expired."""
+    await seed(service, store, tenant.id, "a", 3, "x")
+    await set_mode(db, tenant.id, Mode.SHADOW, "test")
+    out = await rollout.reserve(tenant.id, "k", [("a", "x", 2)], ttl=60)
+    assert out.held and out.reservation is not None
+    rid = out.reservation.id
+    await store.redis.pexpire(store.key(tenant.id, "hold", rid), 1)  # Redis's TTL runs out
+    await asyncio.sleep(0.05)
+    with pytest.raises(errors.ReservationExpired):
+        await rollout.claim(tenant.id, rid)
+    assert await store.available(tenant.id, "a", "x") == 3
+    record = await store.record(tenant.id, rid)
+    assert record is not None and record.pg_id is not None
+    assert (await service.get_reservation(tenant.id, record.pg_id)).status is not \
+        Status.CLAIMED
+    assert await pg_sold(db, tenant.id, "a") == 0
+    view = await service.get_stock(tenant.id, "a", "x")
+    assert view.on_hand == view.available == 3
+    assert await service.invariant_violations() == []
+
+
+async def test_primary_claim_of_a_hold_redis_expired_first_stays_sold_in_redis(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """In primary mode a claim pgreserve made stands in Redis even if Redis's TTL ran out
+    first (expired by the sweep or not yet), so its counter does not offer sold units again."""
+    await seed(service, store, tenant.id, "a", 5, "x")
+    await set_mode(db, tenant.id, Mode.PRIMARY, "test")
+    rids = []
+    for key in ("k1", "k2"):
+        out = await rollout.reserve(tenant.id, key, [("a", "x", 2)], ttl=60)
+        assert out.held and out.reservation is not None
+        rids.append(out.reservation.id)
+        await store.redis.pexpire(store.key(tenant.id, "hold", out.reservation.id), 1)
+    await asyncio.sleep(0.05)
+    await store.redis.zadd(store.key(tenant.id, "deadlines"), {rids[0]: 0})  # due now
+    assert await store.expire_due(tenant.id) == 1  # the first given back by the sweep
+    assert await store.available(tenant.id, "a", "x") == 3
+    for rid in rids:
+        assert (await rollout.claim(tenant.id, rid)).status is Status.CLAIMED
+    assert await pg_sold(db, tenant.id, "a") == 4
+    assert await store.available(tenant.id, "a", "x") == 1
+    assert await store.held(tenant.id, "a", "x") == 0
+    for rid in rids:
+        record = await store.record(tenant.id, rid)
+        assert record is not None and record.status == "claimed"

@@ -46,7 +46,12 @@ from ..domain import (
     StockView,
     Strategy,
 )
-from ..errors import InvalidRequest, ReservationNotFound
+from ..errors import (
+    InvalidRequest,
+    ReservationExpired,
+    ReservationNotFound,
+    ReservationReleased,
+)
 from .comparison import (
     Comparison,
     Recorder,
@@ -351,7 +356,11 @@ class Rollout:
                     legacy = await self.legacy_finish(action, tenant, record, ttl=ttl)
                 except Exception as exc:
                     legacy_ms = _ms(started)
-                    out, pg_ms = await self._pg_finish(action, tenant, record.pg_id, request_key,
+                    # Redis refused the claim (its hold expired or was released): the caller
+                    # is told no, so pgreserve gives its units back rather than sell them
+                    twin = "release" if action == "claim" and isinstance(
+                        exc, (ReservationExpired, ReservationReleased)) else action
+                    out, pg_ms = await self._pg_finish(twin, tenant, record.pg_id, request_key,
                                                        ttl)
                     self._compare(tenant, mode, action, compared_key, error_outcome(exc), out,
                                   legacy_ms, pg_ms)
@@ -367,7 +376,10 @@ class Rollout:
                 pg = await self._pg(action, tenant, reservation_id, request_key, ttl)
             except Exception as exc:
                 pg_ms = _ms(started)
-                legacy_out, legacy_ms = await self._legacy_secondary(action, tenant, record,
+                # pgreserve refused the claim (expired or released): Redis gives back too
+                twin = "release" if action == "claim" and isinstance(
+                    exc, (ReservationExpired, ReservationReleased)) else action
+                legacy_out, legacy_ms = await self._legacy_secondary(twin, tenant, record,
                                                                     ttl)
                 self._compare(tenant, mode, action, compared_key, legacy_out,
                               error_outcome(exc), legacy_ms, pg_ms)
@@ -414,8 +426,8 @@ class Rollout:
             return await self.store.extend(tenant, record.id, _needed(ttl))
         if action != "claim":
             return await self.store.release(tenant, record.id)
-        if not ledger:
-            return await self.store.claim(tenant, record.id)
+        if not ledger:  # pgreserve keeps the ledger (primary mode) and sold the units
+            return await self.store.claim(tenant, record.id, sold=True)
         if ledger_first:
             await self._legacy_sale(tenant, record)
             if between is not None:
