@@ -840,3 +840,54 @@ async def test_primary_claim_of_a_hold_redis_expired_first_stays_sold_in_redis(
     for rid in rids:
         record = await store.record(tenant.id, rid)
         assert record is not None and record.status == "claimed"
+
+
+async def test_legacy_expiry_racing_claims_and_releases_counts_every_unit_once(
+        store: RedisHoldStore, tenant: Tenant) -> None:
+    """Holds whose TTL runs out while claims, releases and the expiry sweep arrive at the
+    same moment (120 calls at once, more than the store's connections) each end once:
+    counter + held units + claimed units is the stock."""
+    from datetime import timedelta
+
+    from pgreserve import validation as check
+
+    await store.set_stock(tenant.id, "a", "x", 200)
+    cart = check.cart([("a", "x", 2)])
+    rids = []
+    for i in range(60):
+        out = await store.reserve(tenant.id, f"k{i}", f"fp{i}", cart,
+                                  timedelta(milliseconds=150 + (i % 20) * 10))
+        assert out.reservation is not None
+        rids.append(out.reservation.id)
+    claimed: set[str] = set()
+    stop = asyncio.Event()
+
+    async def sweep() -> None:
+        while not stop.is_set():
+            await store.expire_due(tenant.id)
+            await asyncio.sleep(0)
+
+    async def finish(i: int, rid: str) -> None:
+        await asyncio.sleep((i % 25) * 0.015)
+        try:
+            if i % 2:
+                await store.claim(tenant.id, rid)
+                claimed.add(rid)
+            else:
+                await store.release(tenant.id, rid)
+        except errors.ReservationExpired:
+            pass
+
+    sweeper = asyncio.create_task(sweep())
+    await asyncio.gather(*(finish(i, rid) for i, rid in enumerate(rids)),
+                         *(finish(i, rid) for i, rid in enumerate(rids)))
+    await asyncio.sleep(0.1)
+    stop.set()
+    await sweeper
+    await store.expire_due(tenant.id)
+    statuses = [(await store.record(tenant.id, rid)) for rid in rids]
+    assert all(r is not None and r.status != "held" for r in statuses)
+    sold = sum(2 for r in statuses if r is not None and r.status == "claimed")
+    assert sold == 2 * len(claimed) and len(claimed) <= 30
+    assert await store.held(tenant.id, "a", "x") == 0
+    assert await store.available(tenant.id, "a", "x") == 200 - sold

@@ -43,6 +43,9 @@ RETENTION = timedelta(hours=24)
 # modes where Redis is the secondary store the caller never waits longer for it.
 DEFAULT_TIMEOUT_S = 1.0
 
+# Connections to Redis per store (process); more concurrent calls wait for one.
+MAX_CONNECTIONS = 100
+
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -205,8 +208,12 @@ class RedisHoldStore:
         self.url = url
         self.namespace = namespace
         try:
-            self.redis: aioredis.Redis = aioredis.Redis.from_url(
-                url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+            # more callers at once than connections wait their turn (up to timeout_s)
+            # instead of failing at once with MaxConnectionsError
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url, max_connections=MAX_CONNECTIONS, timeout=timeout_s,
+                socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+            self.redis: aioredis.Redis = aioredis.Redis.from_pool(pool)  # closed with it
         except ValueError as exc:  # not a redis://, rediss:// or unix:// URL
             raise errors.InvalidRequest(f"legacy Redis URL {url!r}: {exc}",
                                         field="legacy_redis_url") from None
