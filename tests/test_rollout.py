@@ -710,3 +710,184 @@ def test_up_with_a_legacy_store_serves_a_legacy_tenant_from_redis(
                 assert int(redis.get(counter) or 0) == 4  # the expired hold was given back
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_primary_replay_keeps_the_hold_the_caller_was_told_when_redis_was_down(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """In primary mode a reserve first answered by pgreserve alone (Redis down) replays as
+    the same hold once Redis is back, even if Redis would now refuse it: the stored answer
+    never changes and the caller's hold is not given back behind its back."""
+    await seed(service, store, tenant.id, "a", 1, "x")
+    await set_mode(db, tenant.id, Mode.PRIMARY, "test")
+    live = rollout.store
+    down = RedisServer()  # never started: nothing listens on its port
+    rollout.store = RedisHoldStore(down.url, namespace=store.namespace, timeout_s=0.2)
+    try:
+        first = await rollout.reserve(tenant.id, "k", [("a", "x", 1)], ttl=60)
+    finally:
+        await rollout.store.aclose()
+        rollout.store = live
+    assert first.held and first.reservation is not None
+    await store.adjust_stock(tenant.id, "a", "x", -1)  # Redis now has no unit for it
+    again = await rollout.reserve(tenant.id, "k", [("a", "x", 1)], ttl=60)
+    assert again.replayed and again.held and again.reservation is not None
+    assert again.reservation.id == first.reservation.id
+    done = await rollout.claim(tenant.id, first.reservation.id)
+    assert done.status is Status.CLAIMED
+    assert await pg_sold(db, tenant.id, "a") == 1
+    assert await service.invariant_violations() == []
+
+
+async def test_a_cancelled_waiter_does_not_free_a_bucket_another_request_holds() -> None:
+    """A request cancelled while waiting for a bucket's turn (its deadline, a dropped
+    client) leaves the bucket held by the request inside it: the next one still waits."""
+    from pgreserve.domain import Line
+    from pgreserve.rollout.router import BucketLocks
+
+    locks = BucketLocks()
+    cart = [Line("a", "x", 1)]
+    inside = asyncio.Event()
+    leave = asyncio.Event()
+    order: list[str] = []
+
+    async def first() -> None:
+        async with locks.hold(1, cart):
+            order.append("first in")
+            inside.set()
+            await leave.wait()
+            order.append("first out")
+
+    async def later(name: str) -> None:
+        async with locks.hold(1, cart):
+            order.append(f"{name} in")
+
+    a = asyncio.create_task(first())
+    await inside.wait()
+    b = asyncio.create_task(later("cancelled"))
+    await asyncio.sleep(0.01)
+    b.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await b
+    c = asyncio.create_task(later("third"))
+    await asyncio.sleep(0.01)
+    leave.set()
+    await asyncio.gather(a, c)
+    assert order == ["first in", "first out", "third in"]
+    assert locks._locks == {}
+
+
+async def test_rollout_cli_bad_input_gives_a_message_not_a_traceback(db: Database) -> None:
+    """`rollout rehearse` with a URL that is not a redis:// URL, and `rollout set` with an
+    empty --by, exit non-zero with a message naming the problem and no traceback."""
+    for args, said in ((("rehearse", "--legacy-redis-url", "not-a-url", "--buyers", "2"),
+                        "redis"),
+                       (("set", "nobody-here", "shadow"), "nobody-here"),
+                       (("report", "--tenant", "nobody-here"), "nobody-here")):
+        bad = await run(str(BIN), "rollout", *args, "--database-url", db.conninfo,
+                        check=False)
+        assert bad.returncode != 0 and "Traceback" not in bad.stderr, bad.stderr
+        assert said in bad.stderr.lower()
+
+
+async def test_shadow_claim_of_a_hold_redis_expired_sells_nothing_in_pgreserve(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """In shadow mode a claim that Redis answers 'expired' (its TTL ran out first) gives
+    the units back in both stores: pgreserve does not sell what the caller was told expired."""
+    await seed(service, store, tenant.id, "a", 3, "x")
+    await set_mode(db, tenant.id, Mode.SHADOW, "test")
+    out = await rollout.reserve(tenant.id, "k", [("a", "x", 2)], ttl=60)
+    assert out.held and out.reservation is not None
+    rid = out.reservation.id
+    await store.redis.pexpire(store.key(tenant.id, "hold", rid), 1)  # Redis's TTL runs out
+    await asyncio.sleep(0.05)
+    with pytest.raises(errors.ReservationExpired):
+        await rollout.claim(tenant.id, rid)
+    assert await store.available(tenant.id, "a", "x") == 3
+    record = await store.record(tenant.id, rid)
+    assert record is not None and record.pg_id is not None
+    assert (await service.get_reservation(tenant.id, record.pg_id)).status is not \
+        Status.CLAIMED
+    assert await pg_sold(db, tenant.id, "a") == 0
+    view = await service.get_stock(tenant.id, "a", "x")
+    assert view.on_hand == view.available == 3
+    assert await service.invariant_violations() == []
+
+
+async def test_primary_claim_of_a_hold_redis_expired_first_stays_sold_in_redis(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """In primary mode a claim pgreserve made stands in Redis even if Redis's TTL ran out
+    first (expired by the sweep or not yet), so its counter does not offer sold units again."""
+    await seed(service, store, tenant.id, "a", 5, "x")
+    await set_mode(db, tenant.id, Mode.PRIMARY, "test")
+    rids = []
+    for key in ("k1", "k2"):
+        out = await rollout.reserve(tenant.id, key, [("a", "x", 2)], ttl=60)
+        assert out.held and out.reservation is not None
+        rids.append(out.reservation.id)
+        await store.redis.pexpire(store.key(tenant.id, "hold", out.reservation.id), 1)
+    await asyncio.sleep(0.05)
+    await store.redis.zadd(store.key(tenant.id, "deadlines"), {rids[0]: 0})  # due now
+    assert await store.expire_due(tenant.id) == 1  # the first given back by the sweep
+    assert await store.available(tenant.id, "a", "x") == 3
+    for rid in rids:
+        assert (await rollout.claim(tenant.id, rid)).status is Status.CLAIMED
+    assert await pg_sold(db, tenant.id, "a") == 4
+    assert await store.available(tenant.id, "a", "x") == 1
+    assert await store.held(tenant.id, "a", "x") == 0
+    for rid in rids:
+        record = await store.record(tenant.id, rid)
+        assert record is not None and record.status == "claimed"
+
+
+async def test_legacy_expiry_racing_claims_and_releases_counts_every_unit_once(
+        store: RedisHoldStore, tenant: Tenant) -> None:
+    """Holds whose TTL runs out while claims, releases and the expiry sweep arrive at the
+    same moment (120 calls at once, more than the store's connections) each end once:
+    counter + held units + claimed units is the stock."""
+    from datetime import timedelta
+
+    from pgreserve import validation as check
+
+    await store.set_stock(tenant.id, "a", "x", 200)
+    cart = check.cart([("a", "x", 2)])
+    rids = []
+    for i in range(60):
+        out = await store.reserve(tenant.id, f"k{i}", f"fp{i}", cart,
+                                  timedelta(milliseconds=150 + (i % 20) * 10))
+        assert out.reservation is not None
+        rids.append(out.reservation.id)
+    claimed: set[str] = set()
+    stop = asyncio.Event()
+
+    async def sweep() -> None:
+        while not stop.is_set():
+            await store.expire_due(tenant.id)
+            await asyncio.sleep(0)
+
+    async def finish(i: int, rid: str) -> None:
+        await asyncio.sleep((i % 25) * 0.015)
+        try:
+            if i % 2:
+                await store.claim(tenant.id, rid)
+                claimed.add(rid)
+            else:
+                await store.release(tenant.id, rid)
+        except errors.ReservationExpired:
+            pass
+
+    sweeper = asyncio.create_task(sweep())
+    await asyncio.gather(*(finish(i, rid) for i, rid in enumerate(rids)),
+                         *(finish(i, rid) for i, rid in enumerate(rids)))
+    await asyncio.sleep(0.1)
+    stop.set()
+    await sweeper
+    await store.expire_due(tenant.id)
+    statuses = [(await store.record(tenant.id, rid)) for rid in rids]
+    assert all(r is not None and r.status != "held" for r in statuses)
+    sold = sum(2 for r in statuses if r is not None and r.status == "claimed")
+    assert sold == 2 * len(claimed) and len(claimed) <= 30
+    assert await store.held(tenant.id, "a", "x") == 0
+    assert await store.available(tenant.id, "a", "x") == 200 - sold

@@ -43,6 +43,9 @@ RETENTION = timedelta(hours=24)
 # modes where Redis is the secondary store the caller never waits longer for it.
 DEFAULT_TIMEOUT_S = 1.0
 
+# Connections to Redis per store (process); more concurrent calls wait for one.
+MAX_CONNECTIONS = 100
+
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -101,20 +104,29 @@ return {'held', doc}
 """
 
 # KEYS: hold, rec, deadlines, counters[n], helds[n]
-# ARGV: n, id, action (claim | release | expire), quantities[n]
+# ARGV: n, id, action (claim | sold | release | expire), quantities[n]
 # A hold whose key Redis has expired gives its units back (once) and answers 'expired'.
+# 'sold' is a claim pgreserve already made (primary mode): it stands even if Redis's
+# TTL ran out first, and units an expiry gave back are taken out of the counter again.
 _FINISH = """
 local n = tonumber(ARGV[1])
 local status = redis.call('HGET', KEYS[2], 'status')
 if not status then return 'missing' end
-if status ~= 'held' then return status end
-local live = redis.call('EXISTS', KEYS[1]) == 1
-if ARGV[3] == 'expire' and live then return 'held' end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if status ~= 'held' then
+  if ARGV[3] == 'sold' and status == 'expired' then
+    for i = 1, n do redis.call('DECRBY', KEYS[3 + i], ARGV[3 + i]) end
+    redis.call('HSET', KEYS[2], 'status', 'claimed', 'ended', now)
+    return 'claimed'
+  end
+  return status
+end
+local live = redis.call('EXISTS', KEYS[1]) == 1
+if ARGV[3] == 'expire' and live then return 'held' end
 local outcome
-if not live then outcome = 'expired'
-elseif ARGV[3] == 'claim' then outcome = 'claimed'
+if ARGV[3] == 'sold' or (live and ARGV[3] == 'claim') then outcome = 'claimed'
+elseif not live then outcome = 'expired'
 else outcome = 'released' end
 for i = 1, n do
   if outcome ~= 'claimed' then redis.call('INCRBY', KEYS[3 + i], ARGV[3 + i]) end
@@ -195,8 +207,16 @@ class RedisHoldStore:
                                         field="namespace")
         self.url = url
         self.namespace = namespace
-        self.redis: aioredis.Redis = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        try:
+            # more callers at once than connections wait their turn (up to timeout_s)
+            # instead of failing at once with MaxConnectionsError
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url, max_connections=MAX_CONNECTIONS, timeout=timeout_s,
+                socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+            self.redis: aioredis.Redis = aioredis.Redis.from_pool(pool)  # closed with it
+        except ValueError as exc:  # not a redis://, rediss:// or unix:// URL
+            raise errors.InvalidRequest(f"legacy Redis URL {url!r}: {exc}",
+                                        field="legacy_redis_url") from None
         self._reserve = self.redis.register_script(_RESERVE)
         self._finish = self.redis.register_script(_FINISH)
         self._set_stock = self.redis.register_script(_SET_STOCK)
@@ -308,10 +328,12 @@ class RedisHoldStore:
         return _text(await self._finish(keys=keys, args=args))
 
     @_answered
-    async def claim(self, tenant: int, hold_id: str) -> Reservation:
-        """Remove the hold for good (the units are sold); repeating it changes nothing."""
+    async def claim(self, tenant: int, hold_id: str, *, sold: bool = False) -> Reservation:
+        """Remove the hold for good (the units are sold); repeating it changes nothing.
+        `sold`: pgreserve already sold the units, so the claim stands even if Redis's
+        TTL ran out first."""
         record = await self._known(tenant, hold_id)
-        outcome = await self.finish(tenant, record, "claim")
+        outcome = await self.finish(tenant, record, "sold" if sold else "claim")
         if outcome == "released":
             raise errors.ReservationReleased(f"reservation {hold_id} was released")
         if outcome == "expired":

@@ -29,10 +29,10 @@ async def rehearse(service: ReservationService, redis_url: str, *, buyers: int =
     """`buyers` concurrent buyers of one SKU (`stock` units in both stores) on a new tenant
     in shadow mode: each holds one unit, then claims it (probability `claim`) or releases it."""
     rng = random.Random(seed)  # noqa: S311 - a simulated buyer's choice, not a secret
-    tenant = await service.create_tenant(f"rehearsal-{secrets.token_hex(3)}")
-    rollout = Rollout(service, RedisHoldStore(redis_url), mode_ttl_s=0)
+    rollout = Rollout(service, RedisHoldStore(redis_url), mode_ttl_s=0)  # a bad URL: no tenant
     held = claimed = 0
     try:
+        tenant = await service.create_tenant(f"rehearsal-{secrets.token_hex(3)}")
         await service.set_stock(tenant.id, "hot", "rehearsal", stock)
         await rollout.store.set_stock(tenant.id, "hot", "rehearsal", stock)
         await set_mode(service.db, tenant.id, Mode.SHADOW, "rehearsal")

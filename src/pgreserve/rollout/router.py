@@ -36,8 +36,22 @@ from .. import validation as check
 from ..core.service import ReservationService, digest
 from ..db.database import Op
 from ..db.queries import queries
-from ..domain import DEFAULT_TTL, MIN_TTL, Line, Reservation, ReserveOutcome, StockView, Strategy
-from ..errors import InvalidRequest, ReservationNotFound
+from ..domain import (
+    DEFAULT_TTL,
+    MIN_TTL,
+    Line,
+    Reservation,
+    ReserveOutcome,
+    Status,
+    StockView,
+    Strategy,
+)
+from ..errors import (
+    InvalidRequest,
+    ReservationExpired,
+    ReservationNotFound,
+    ReservationReleased,
+)
 from .comparison import (
     Comparison,
     Recorder,
@@ -70,17 +84,19 @@ class BucketLocks:
     async def hold(self, tenant: int, cart: Sequence[Line]) -> AsyncIterator[None]:
         keys = sorted({(tenant, x.sku, x.location) for x in cart})  # one order: no deadlock
         taken: list[tuple[int, str, str]] = []
+        acquired: set[tuple[int, str, str]] = set()
         try:
             for k in keys:
                 lock, users = self._locks.get(k) or (asyncio.Lock(), 0)
                 self._locks[k] = (lock, users + 1)
                 taken.append(k)
                 await lock.acquire()
+                acquired.add(k)
             yield
         finally:
             for k in reversed(taken):
                 lock, users = self._locks[k]
-                if lock.locked():
+                if k in acquired:  # a waiter cancelled in acquire() never held it
                     lock.release()
                 if users <= 1:
                     del self._locks[k]
@@ -252,6 +268,15 @@ class Rollout:
             return pg
         self._compare(tenant, Mode.PRIMARY, "reserve", key, reserve_outcome(legacy),
                       reserve_outcome(pg), _ms(started), pg_ms)
+        if pg.replayed and not legacy.replayed:
+            # Redis first sees this key now (it failed the first time): pgreserve's stored
+            # answer was the caller's and stays theirs. A Redis hold beside a pgreserve
+            # hold that is no longer active would keep units nobody will claim.
+            active = pg.reservation is not None and pg.reservation.status is Status.ACTIVE
+            if legacy.held and not (pg.held and active):
+                await self._secondary(self.store.release(tenant, _rid(legacy)), "legacy",
+                                      "release")
+            return pg
         if legacy.held and not pg.held and not legacy.replayed:
             await self._secondary(self.store.release(tenant, _rid(legacy)), "legacy", "release")
         if pg.held and not legacy.held:
@@ -331,7 +356,11 @@ class Rollout:
                     legacy = await self.legacy_finish(action, tenant, record, ttl=ttl)
                 except Exception as exc:
                     legacy_ms = _ms(started)
-                    out, pg_ms = await self._pg_finish(action, tenant, record.pg_id, request_key,
+                    # Redis refused the claim (its hold expired or was released): the caller
+                    # is told no, so pgreserve gives its units back rather than sell them
+                    twin = "release" if action == "claim" and isinstance(
+                        exc, (ReservationExpired, ReservationReleased)) else action
+                    out, pg_ms = await self._pg_finish(twin, tenant, record.pg_id, request_key,
                                                        ttl)
                     self._compare(tenant, mode, action, compared_key, error_outcome(exc), out,
                                   legacy_ms, pg_ms)
@@ -347,7 +376,10 @@ class Rollout:
                 pg = await self._pg(action, tenant, reservation_id, request_key, ttl)
             except Exception as exc:
                 pg_ms = _ms(started)
-                legacy_out, legacy_ms = await self._legacy_secondary(action, tenant, record,
+                # pgreserve refused the claim (expired or released): Redis gives back too
+                twin = "release" if action == "claim" and isinstance(
+                    exc, (ReservationExpired, ReservationReleased)) else action
+                legacy_out, legacy_ms = await self._legacy_secondary(twin, tenant, record,
                                                                     ttl)
                 self._compare(tenant, mode, action, compared_key, legacy_out,
                               error_outcome(exc), legacy_ms, pg_ms)
@@ -394,8 +426,8 @@ class Rollout:
             return await self.store.extend(tenant, record.id, _needed(ttl))
         if action != "claim":
             return await self.store.release(tenant, record.id)
-        if not ledger:
-            return await self.store.claim(tenant, record.id)
+        if not ledger:  # pgreserve keeps the ledger (primary mode) and sold the units
+            return await self.store.claim(tenant, record.id, sold=True)
         if ledger_first:
             await self._legacy_sale(tenant, record)
             if between is not None:
