@@ -287,3 +287,15 @@ def test_tenant_list_and_webhook_delete(dsn: str) -> None:
     again = runner.invoke(main, ["webhook", "delete", "shop", str(added["id"]),
                                  "--database-url", dsn])
     assert again.exit_code == 1 and "Traceback" not in again.output
+
+
+@pytest.mark.parametrize("command", ["up", "serve"])
+def test_a_malformed_legacy_redis_url_is_refused_before_anything_starts(
+        short_dir: Path, command: str) -> None:
+    """`up` / `serve --legacy-redis-url not-a-url` exits 2 with a message naming the
+    option, no traceback, and creates nothing."""
+    result = pgr(command, "--data-dir", str(short_dir / "data"), "--port", str(free_port()),
+                 "--legacy-redis-url", "not-a-url", cwd=short_dir)
+    assert result.returncode == 2, result.stderr
+    assert "--legacy-redis-url" in result.stderr and "Traceback" not in result.stderr
+    assert list(short_dir.iterdir()) == []

@@ -105,8 +105,21 @@ def with_http(f: Any) -> Any:
     return f
 
 
+def _redis_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A URL redis-py can use (its schemes), checked before anything starts."""
+    if value is None:
+        return None
+    from urllib.parse import urlsplit
+
+    if urlsplit(value).scheme not in ("redis", "rediss", "unix"):
+        raise click.BadParameter(
+            f"{value!r} is not a Redis URL (redis://, rediss:// or unix://)")
+    return value
+
+
 legacy_option = click.option(
     "--legacy-redis-url", envvar="PGRESERVE_LEGACY_REDIS_URL", default=None,
+    callback=_redis_url,
     help="redis:// URL of the legacy hold store to roll out beside (see `pgreserve rollout`).")
 
 
