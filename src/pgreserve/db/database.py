@@ -245,6 +245,24 @@ class Database:
         self._emit(op, "busy")
         return errors.Busy(f"{why}; nothing was done, retry later", sqlstate=sqlstate)
 
+    def _raise_refused(self, op: Op | None, exc: psycopg.errors.Error,
+                       maybe_ran: bool) -> None:
+        """End the call (of `call` or `fetch`) on an error no retry can change: a typed
+        SQLSTATE as its PgReserveError, a lock or statement timeout as Busy (or
+        OutcomeUnknown when an earlier attempt may have run). Returns otherwise."""
+        state = exc.sqlstate or ""
+        if state in _SQLSTATE_ERRORS:
+            raise _typed(exc, state) from None
+        if state in _BUSY:
+            raise self._gave_up(op, maybe_ran, f"database busy: {exc.diag.message_primary}",
+                                state) from exc
+
+    def _backoff(self, attempt: int) -> float:
+        """The jittered wait before retry number `attempt` (1-based)."""
+        s = self.settings
+        return random.uniform(  # noqa: S311 - jitter, no secret
+            0, min(s.backoff_cap_s, s.backoff_base_s * 2 ** (attempt - 1)))
+
     def _emit(self, op: Op | None, event: str) -> None:
         if self.observer is not None:
             try:
@@ -317,13 +335,8 @@ class Database:
                 raise self._gave_up(op, lost_before, "no database connection was free "
                                     f"within {wait:.3g} s") from exc
             except psycopg.errors.Error as exc:
+                self._raise_refused(op, exc, lost_before)
                 state = exc.sqlstate or ""
-                if state in _SQLSTATE_ERRORS:
-                    raise _typed(exc, state) from None
-                if state in _BUSY:
-                    raise self._gave_up(op, lost_before,
-                                        f"database busy: {exc.diag.message_primary}",
-                                        state) from exc
                 lost = _connection_lost(exc, state)
                 if state in _RETRY_WHOLE or lost:
                     if state == "40P01":
@@ -341,8 +354,7 @@ class Database:
                         self.stats.connection_retried += 1
                         self._emit(op, "connection_retried")
                         lost_before = True
-                    delay = random.uniform(  # noqa: S311 - jitter, no secret
-                        0, min(s.backoff_cap_s, s.backoff_base_s * 2 ** (attempt - 1)))
+                    delay = self._backoff(attempt)
                     if attempt >= s.max_attempts:
                         raise self._gave_up(op, lost_before,
                                             f"gave up after {attempt} attempts: {exc}",
@@ -430,18 +442,12 @@ class Database:
                 raise self._gave_up(op, False, "no database connection was free "
                                     f"within {wait:.3g} s") from exc
             except psycopg.errors.Error as exc:
-                state = exc.sqlstate or ""
-                if state in _SQLSTATE_ERRORS:
-                    raise _typed(exc, state) from None
-                if state in _BUSY:
-                    raise self._gave_up(op, False, f"database busy: "
-                                        f"{exc.diag.message_primary}", state) from exc
-                if not _connection_lost(exc, state):
+                self._raise_refused(op, exc, False)
+                if not _connection_lost(exc, exc.sqlstate or ""):
                     raise
                 self.stats.connection_retried += 1
                 self._emit(op, "connection_retried")
-                delay = random.uniform(  # noqa: S311 - jitter, no secret
-                    0, min(s.backoff_cap_s, s.backoff_base_s * 2 ** (attempt - 1)))
+                delay = self._backoff(attempt)
                 if attempt >= s.max_attempts or (
                         end is not None and time.monotonic() + delay >= end):
                     raise errors.DatabaseUnavailable(
