@@ -358,3 +358,47 @@ async def test_freezes_toggled_under_a_mixed_sale_never_deadlock(dsn: str) -> No
         await toggling
         assert deadlocks(dsn) == before
         assert await svc.invariant_violations(tenant.id) == []
+
+
+@pytest.mark.parametrize("batching", [True, False], ids=["batched", "unbatched"])
+async def test_a_lift_during_a_reserve_never_stores_an_empty_answer(
+        dsn: str, batching: bool) -> None:
+    """A freeze lifted while reserves are deciding: each reserve is either refused with the
+    freeze it saw or served, never left without an answer (the lift takes no lock, so it
+    can commit between the probe for a freeze and the read of the refusal)."""
+    async with Database(dsn, min_size=10, max_size=12) as db:
+        svc = ReservationService(db, batching=batching)
+        tenant = await svc.create_tenant("lift")
+        await svc.set_stock(tenant.id, "a", "w", 1_000_000)
+        done = asyncio.Event()
+        answers: list[str] = []
+
+        async def buyer(n: int) -> None:
+            for i in range(150):
+                out = await svc.reserve(tenant.id, f"b{n}-{i}", [("a", "w", 1)])
+                if out.held:
+                    answers.append("held")
+                else:
+                    assert out.reason == "bucket_frozen", out
+                    assert [(f.sku, f.location) for f in out.frozen_lines] == [("a", "w")]
+                    answers.append("frozen")
+
+        async def toggler() -> None:
+            while not done.is_set():
+                await svc.freeze(tenant.id, "toggle", BY, sku="a", location="w")
+                await svc.unfreeze(tenant.id, "toggle", BY, sku="a", location="w")
+
+        toggling = asyncio.create_task(toggler())
+        try:
+            await asyncio.gather(*(buyer(n) for n in range(8)))
+        finally:
+            done.set()
+            await toggling
+        assert len(answers) == 8 * 150 and {"held", "frozen"} <= set(answers)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            stored = conn.execute(
+                "SELECT count(*) FILTER (WHERE status = 'rejected'"
+                " AND outcome->>'reason' = 'bucket_frozen'), count(*) FROM request_ledger"
+                " WHERE tenant_id = %s AND operation = 'reserve'", (tenant.id,)).fetchone()
+        assert stored == (answers.count("frozen"), len(answers))
+        assert await svc.invariant_violations(tenant.id) == []

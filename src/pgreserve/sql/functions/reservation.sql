@@ -159,11 +159,16 @@ BEGIN
     END IF;
 
     -- A frozen tenant or bucket: the refusal is stored under the key like any
-    -- answer (read after the freeze lock, so a committed freeze is seen).
+    -- answer (read after the freeze lock, so a committed freeze is seen). The
+    -- EXISTS probe only spares the common case a function call; the answer is
+    -- the refusal's own read, since a lift (which takes no lock) may commit
+    -- between two statements, and each sees the newest commits.
     IF EXISTS (SELECT 1 FROM stock_freeze f
                WHERE f.tenant_id = p_tenant AND f.lifted_at IS NULL
                  AND f.bucket_id = ANY (v_buckets || 0::bigint)) THEN
         v_outcome := freeze_refusal_v1(p_tenant, v_buckets);
+    END IF;
+    IF v_outcome IS NOT NULL THEN
         INSERT INTO request_ledger (tenant_id, request_key, operation, digest, status, outcome)
         VALUES (p_tenant, p_key, 'reserve', p_digest, 'rejected', v_outcome)
         ON CONFLICT (tenant_id, request_key) DO NOTHING;
