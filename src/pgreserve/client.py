@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import httpx
 
@@ -36,7 +36,7 @@ from . import errors
 from .domain import Line, Reservation, ReserveOutcome, ShortLine, Strategy
 from .http import problems  # noqa: F401 - defines the HTTP-only error classes mapped below
 
-__all__ = ["ApiError", "AsyncClient", "Client", "Stock"]
+__all__ = ["ApiError", "AsyncClient", "Client", "LocationAvailability", "SkuAvailability", "Stock"]
 
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_RETRIES = 4
@@ -65,6 +65,38 @@ class Stock:
     def from_json(cls, doc: Mapping[str, Any]) -> Stock:
         return cls(str(doc["sku"]), str(doc["location"]), int(doc["on_hand"]),
                    int(doc["reserved"]), int(doc["available"]), Strategy(doc["strategy"]))
+
+
+@dataclass(frozen=True)
+class LocationAvailability:
+    location: str
+    on_hand: int
+    reserved: int
+    available: int
+
+
+@dataclass(frozen=True)
+class SkuAvailability:
+    """A SKU per location and in total, as `GET /v1/availability` shows it."""
+
+    sku: str
+    known: bool
+    on_hand: int
+    reserved: int
+    available: int
+    locations: tuple[LocationAvailability, ...]
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> SkuAvailability:
+        return cls(str(doc["sku"]), bool(doc["known"]), int(doc["on_hand"]),
+                   int(doc["reserved"]), int(doc["available"]),
+                   tuple(LocationAvailability(str(x["location"]), int(x["on_hand"]),
+                                              int(x["reserved"]), int(x["available"]))
+                         for x in doc["locations"]))
+
+
+def _availabilities(doc: Mapping[str, Any]) -> list[SkuAvailability]:
+    return [SkuAvailability.from_json(item) for item in doc["items"]]
 
 
 def _error_classes() -> dict[str, type[errors.PgReserveError]]:
@@ -221,6 +253,11 @@ class _Base:
         return _Call("GET", _path("v1", "stock", location, sku))
 
     @staticmethod
+    def _availability(skus: Iterable[str], locations: Iterable[str] | None) -> _Call:
+        query = [("sku", sku) for sku in skus] + [("location", loc) for loc in locations or ()]
+        return _Call("GET", "/v1/availability?" + urlencode(query))
+
+    @staticmethod
     def _set_stock(sku: str, location: str, on_hand: int,
                    strategy: Strategy | str | None) -> _Call:
         body: dict[str, Any] = {"on_hand": on_hand}
@@ -302,6 +339,11 @@ class Client(_Base):
     def get_stock(self, sku: str, location: str) -> Stock:
         return Stock.from_json(self._send(self._get_stock(sku, location)).json())
 
+    def availability(self, skus: Iterable[str],
+                     locations: Iterable[str] | None = None) -> list[SkuAvailability]:
+        """Each SKU per location and in total, from one snapshot (at most 100 SKUs)."""
+        return _availabilities(self._send(self._availability(skus, locations)).json())
+
     def set_stock(self, sku: str, location: str, on_hand: int, *,
                   strategy: Strategy | str | None = None) -> Stock:
         return Stock.from_json(self._send(self._set_stock(sku, location, on_hand,
@@ -376,6 +418,11 @@ class AsyncClient(_Base):
 
     async def get_stock(self, sku: str, location: str) -> Stock:
         return Stock.from_json((await self._send(self._get_stock(sku, location))).json())
+
+    async def availability(self, skus: Iterable[str],
+                           locations: Iterable[str] | None = None) -> list[SkuAvailability]:
+        """Each SKU per location and in total, from one snapshot (at most 100 SKUs)."""
+        return _availabilities((await self._send(self._availability(skus, locations))).json())
 
     async def set_stock(self, sku: str, location: str, on_hand: int, *,
                         strategy: Strategy | str | None = None) -> Stock:

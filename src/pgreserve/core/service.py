@@ -30,6 +30,7 @@ from ..domain import (
     DEFAULT_TTL,
     MAX_ON_HAND,
     ApiKeyInfo,
+    Availability,
     Event,
     EventPage,
     Freeze,
@@ -75,6 +76,7 @@ OPS: dict[str, Op] = {op.action: op for op in (
     Op("stock", "stock_set", "PUT /v1/stock/{location}/{sku}"),
     Op("stock", "stock_adjust", "POST /v1/stock/{location}/{sku}/adjustments"),
     Op("api", "stock_get", "GET /v1/stock/{location}/{sku}"),
+    Op("api", "availability", "GET /v1/availability"),
     Op("reserve", "reserve", "POST /v1/reservations"),
     Op("claim", "claim", "POST /v1/reservations/{id}/claim"),
     Op("release", "release", "POST /v1/reservations/{id}/release"),
@@ -267,6 +269,32 @@ class ReservationService:
             raise UnknownStock(f"unknown stock {sku!r} at {location!r}",
                                detail=[{"sku": sku, "location": location}])
         return StockView.from_json(rows[0][0])
+
+    async def availability(self, tenant: int, skus: Iterable[str],
+                           locations: Iterable[str] | None = None) -> list[Availability]:
+        """Each SKU's stock per location and in total, all read in one snapshot.
+
+        One entry per SKU asked for (repeats dropped), in the order asked; a SKU
+        without a stock line comes back with no locations (`known` False).
+        `locations` narrows the answer to those locations. At most
+        MAX_AVAILABILITY_NAMES SKUs and as many locations per call.
+        """
+        tenant = check.tenant_id(tenant)
+        wanted = check.names(skus, "sku")
+        where = None if locations is None else check.names(locations, "location")
+        rows = await self.db.fetch(
+            queries["availability_list"],
+            (self.clock(), tenant, lit.text_array(wanted), None if where is None
+             else lit.text_array(where), None if where is None else lit.text_array(where)),
+            op=OPS["availability"],
+        )
+        if not rows:
+            await self._require_tenant(tenant)
+        found: dict[str, list[StockView]] = {sku: [] for sku in wanted}
+        for (doc,) in rows:
+            view = StockView.from_json(doc)
+            found[view.sku].append(view)
+        return [Availability(sku, tuple(views)) for sku, views in found.items()]
 
     # -- reservations --------------------------------------------------------
 

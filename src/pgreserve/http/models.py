@@ -100,6 +100,26 @@ class StockOut(BaseModel):
     strategy: Literal["row", "pool"]
 
 
+class LocationAvailabilityOut(BaseModel):
+    location: str
+    on_hand: int
+    reserved: int
+    available: int
+
+
+class SkuAvailabilityOut(BaseModel):
+    sku: str
+    known: bool = Field(description="false when the SKU has no stock line (at these locations)")
+    on_hand: int
+    reserved: int
+    available: int = Field(description="the sum over `locations`")
+    locations: list[LocationAvailabilityOut]
+
+
+class AvailabilityOut(BaseModel):
+    items: list[SkuAvailabilityOut] = Field(description="one per SKU asked for, in that order")
+
+
 class LineOut(BaseModel):
     sku: str
     location: str
