@@ -244,6 +244,14 @@ class _Base:
         return _Call("POST", _path("v1", "reservations", reservation_id, action), body,
                      _new_key(key))
 
+    @classmethod
+    def _extend(cls, reservation_id: str, ttl_seconds: int, key: str | None,
+                allow_shorten: bool) -> _Call:
+        body: dict[str, Any] = {"ttl_seconds": ttl_seconds}
+        if allow_shorten:
+            body["allow_shorten"] = True
+        return cls._transition("extend", reservation_id, key, body)
+
     @staticmethod
     def _get_reservation(reservation_id: str) -> _Call:
         return _Call("GET", _path("v1", "reservations", reservation_id))
@@ -329,9 +337,11 @@ class Client(_Base):
                                                         idempotency_key)))
 
     def extend(self, reservation_id: str, ttl_seconds: int, *,
-               idempotency_key: str | None = None) -> Reservation:
-        return _reservation(self._send(self._transition(
-            "extend", reservation_id, idempotency_key, {"ttl_seconds": ttl_seconds})))
+               idempotency_key: str | None = None, allow_shorten: bool = False) -> Reservation:
+        """A new time to live from now; ExtendWouldShorten if that ends the hold sooner than
+        now, unless `allow_shorten`."""
+        return _reservation(self._send(self._extend(reservation_id, ttl_seconds,
+                                                    idempotency_key, allow_shorten)))
 
     def get_reservation(self, reservation_id: str) -> Reservation:
         return _reservation(self._send(self._get_reservation(reservation_id)))
@@ -409,9 +419,12 @@ class AsyncClient(_Base):
                                                               idempotency_key)))
 
     async def extend(self, reservation_id: str, ttl_seconds: int, *,
-                     idempotency_key: str | None = None) -> Reservation:
-        return _reservation(await self._send(self._transition(
-            "extend", reservation_id, idempotency_key, {"ttl_seconds": ttl_seconds})))
+                     idempotency_key: str | None = None,
+                     allow_shorten: bool = False) -> Reservation:
+        """A new time to live from now; ExtendWouldShorten if that ends the hold sooner than
+        now, unless `allow_shorten`."""
+        return _reservation(await self._send(self._extend(reservation_id, ttl_seconds,
+                                                          idempotency_key, allow_shorten)))
 
     async def get_reservation(self, reservation_id: str) -> Reservation:
         return _reservation(await self._send(self._get_reservation(reservation_id)))

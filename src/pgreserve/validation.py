@@ -50,6 +50,13 @@ def names(values: Any, field: str, most: int = MAX_AVAILABILITY_NAMES) -> list[s
     return list(seen)
 
 
+def flag(value: Any, field: str) -> bool:
+    """A yes/no option: True or False only (never 1, "yes" or None)."""
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"{field} must be true or false", field=field)
+    return value
+
+
 def text(value: Any, field: str, longest: int) -> str:
     """Free text (e.g. a reason): a string of at most `longest` characters, may be empty."""
     if not isinstance(value, str) or len(value) > longest:

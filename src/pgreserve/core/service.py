@@ -362,21 +362,27 @@ class ReservationService:
                                       reservation_id)
 
     async def extend(self, tenant: int, reservation_id: str | uuid.UUID,
-                     ttl: timedelta | float, *, request_key: str | None = None) -> Reservation:
+                     ttl: timedelta | float, *, request_key: str | None = None,
+                     allow_shorten: bool = False) -> Reservation:
         """Give an active reservation a new time to live, counted from now.
 
-        With a request key the first answer is stored and replayed for the same
-        key, so a retried extend does not push the expiry again.
+        A time to live that would end the hold sooner than it ends now raises
+        ExtendWouldShorten (nothing changes) unless `allow_shorten`. With a
+        request key the first answer is stored and replayed for the same key,
+        so a retried extend does not push the expiry again.
         """
+        shorten = check.flag(allow_shorten, "allow_shorten")
         if request_key is not None:
-            return await self._keyed(tenant, request_key, "extend", reservation_id, ttl)
+            return await self._keyed(tenant, request_key, "extend", reservation_id, ttl,
+                                     shorten)
         tenant = check.tenant_id(tenant)
         rid = _reservation_id(reservation_id)
         life = check.ttl(ttl)
         started = perf_counter()
         try:
             doc = await self.db.call(queries["reservation_extend"],
-                                     (tenant, rid, life, self.clock()), op=OPS["extend"])
+                                     (tenant, rid, life, shorten, self.clock()),
+                                     op=OPS["extend"])
         except Exception as exc:
             self._observe("extend", _failure(exc), started)
             raise
@@ -384,7 +390,8 @@ class ReservationService:
         return Reservation.from_json(doc)
 
     async def _keyed(self, tenant: int, request_key: str, operation: str,
-                     reservation_id: str | uuid.UUID, ttl: timedelta | float | None) -> Reservation:
+                     reservation_id: str | uuid.UUID, ttl: timedelta | float | None,
+                     shorten: bool = False) -> Reservation:
         tenant = check.tenant_id(tenant)
         key = check.request_key(request_key)
         rid = _reservation_id(reservation_id)
@@ -392,11 +399,14 @@ class ReservationService:
         params: dict[str, Any] = {"id": str(rid)}
         if life is not None:
             params["ttl_ms"] = int(life.total_seconds() * 1000)
+        if shorten:  # (absent when false: keys stored before the flag existed still match)
+            params["shorten"] = True
         started = perf_counter()
         try:
             doc = await self.db.call(
                 queries["reservation_transition_keyed"],
-                (tenant, key, operation, digest(operation, params), rid, life, self.clock()),
+                (tenant, key, operation, digest(operation, params), rid, life, shorten,
+                 self.clock()),
                 op=OPS[operation],
             )
         except Exception as exc:
