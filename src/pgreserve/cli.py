@@ -415,6 +415,7 @@ def _serve_processes(dsn: str, s: Settings) -> None:
     # each process's create_app reads these (http/app.py admission_from_env)
     env["PGRESERVE_REQUEST_DEADLINE_SECONDS"] = str(s.request_deadline_seconds)
     env["PGRESERVE_TENANT_MAX_IN_FLIGHT"] = str(s.tenant_max_in_flight)
+    env["PGRESERVE_PREPARE_THRESHOLD"] = s.prepare_threshold
     if s.pgbouncer_admin_url:
         env["PGRESERVE_PGBOUNCER_ADMIN_URL"] = s.pgbouncer_admin_url
     if s.legacy_redis_url:
@@ -490,7 +491,8 @@ async def _run(dsn: str, *, http: bool, workers: bool, settings: Settings | None
     # The workers' statements run on pools of their own business process
     # (pgreserve:sweeper, :replenisher, :janitor, :webhooks).
     async with Database(dsn, max_size=5, application_name="pgreserve:workers",
-                        role_pools=True, role_max_size=2) as database:
+                        role_pools=True, role_max_size=2,
+                        prepare_threshold=s.prepare_after) as database:
         service = ReservationService(database)
         if workers:
             keep = timedelta(hours=key_retention_hours)
@@ -502,6 +504,7 @@ async def _run(dsn: str, *, http: bool, workers: bool, settings: Settings | None
             from .http.server import Listeners
 
             server = Listeners(dsn, (s.host, s.port), s.ops_address,
+                               prepare_threshold=s.prepare_after,
                                request_log=_request_log(s), api_options=_api_options(s),
                                server_options=s.server_options())
             serving_started = asyncio.Event()

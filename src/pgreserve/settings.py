@@ -104,6 +104,14 @@ def _root_path(ctx: click.Context, param: click.Parameter, value: str | None) ->
     return value
 
 
+def _threshold(ctx: click.Context, param: click.Parameter, value: Any) -> str:
+    text = str(value).strip().lower()
+    if text != "none" and not (text.isdigit() and int(text) >= 0):
+        raise click.BadParameter(f"{value!r} is neither a number of executions (0 or more) "
+                                 "nor none")
+    return text
+
+
 _FILE = click.Path(exists=True, dir_okay=False, readable=True)
 _FORMAT = click.Choice(["text", "json"])
 
@@ -127,6 +135,9 @@ SPECS: tuple[Spec, ...] = (
     Spec("pgbouncer_admin_url", ("--pgbouncer-admin-url",), str, None,
          "PgBouncer's admin console (postgresql://USER@HOST:PORT/pgbouncer); its pool "
          "figures are then checked (doctor) or exported (/metrics).", secret=True),
+    Spec("prepare_threshold", ("--prepare-threshold",), str, "5",
+         "Executions after which psycopg prepares a statement; none behind PgBouncer "
+         "older than 1.21 (transaction pooling).", callback=_threshold),
     Spec("proxy_headers", ("--proxy-headers/--no-proxy-headers",), bool, False,
          "Take the client address and scheme from X-Forwarded-For / X-Forwarded-Proto, "
          "from the addresses of --forwarded-allow-ips only."),
@@ -180,8 +191,8 @@ BY_PARAM: Mapping[str, Spec] = {s.param: s for s in SPECS}
 
 DB_KEYS = ("database_url", "data_dir")
 API_KEYS = ("host", "port", "uds", "request_deadline_seconds", "tenant_max_in_flight",
-            "pgbouncer_admin_url", "proxy_headers", "forwarded_allow_ips", "root_path",
-            "ssl_certfile", "ssl_keyfile", "ssl_keyfile_password", "timeout_graceful_shutdown",
+            "pgbouncer_admin_url", "prepare_threshold", "proxy_headers", "forwarded_allow_ips",
+            "root_path", "ssl_certfile", "ssl_keyfile", "ssl_keyfile_password", "timeout_graceful_shutdown",
             "timeout_keep_alive", "backlog", "limit_concurrency", "ops_host", "ops_port", "ops",
             "log_format", "request_log", "request_log_file", "request_log_format")
 
@@ -307,6 +318,7 @@ class Settings:
     request_deadline_seconds: float = 5.0
     tenant_max_in_flight: int = 0
     pgbouncer_admin_url: str | None = None
+    prepare_threshold: str = "5"
     proxy_headers: bool = False
     forwarded_allow_ips: str = "127.0.0.1,::1"
     root_path: str = ""
@@ -403,6 +415,11 @@ class Settings:
         if self.uds:
             return f"{scheme}+unix://{self.uds}{self.root_path}"
         return f"{scheme}://{self.host}:{self.port}{self.root_path}"
+
+    @property
+    def prepare_after(self) -> int | None:
+        """psycopg's prepare_threshold (None: never prepare)."""
+        return None if self.prepare_threshold == "none" else int(self.prepare_threshold)
 
     @property
     def ops_address(self) -> tuple[str, int] | None:
