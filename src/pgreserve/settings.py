@@ -192,9 +192,10 @@ BY_PARAM: Mapping[str, Spec] = {s.param: s for s in SPECS}
 DB_KEYS = ("database_url", "data_dir")
 API_KEYS = ("host", "port", "uds", "request_deadline_seconds", "tenant_max_in_flight",
             "pgbouncer_admin_url", "prepare_threshold", "proxy_headers", "forwarded_allow_ips",
-            "root_path", "ssl_certfile", "ssl_keyfile", "ssl_keyfile_password", "timeout_graceful_shutdown",
-            "timeout_keep_alive", "backlog", "limit_concurrency", "ops_host", "ops_port", "ops",
-            "log_format", "request_log", "request_log_file", "request_log_format")
+            "root_path", "ssl_certfile", "ssl_keyfile", "ssl_keyfile_password",
+            "timeout_graceful_shutdown", "timeout_keep_alive", "backlog", "limit_concurrency",
+            "ops_host", "ops_port", "ops", "log_format", "request_log", "request_log_file",
+            "request_log_format")
 
 
 def options(*keys: str) -> Callable[[Any], Any]:
