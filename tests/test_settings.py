@@ -44,9 +44,9 @@ def test_flag_beats_environment_beats_file_beats_default(folder: Path) -> None:
     conf = folder / "pgreserve.toml"
     conf.write_text('port = 9001\nhost = "10.0.0.5"\nops_port = 9300\nproxy_headers = true\n')
     got = show("--config", str(conf), "--port", "9002",
-               env={"PGRESERVE_PORT": "9003", "PGRESERVE_HOST": "0.0.0.0"})
+               env={"PGRESERVE_PORT": "9003", "PGRESERVE_HOST": "10.1.2.3"})
     assert got["port"] == ("9002", "flag --port")
-    assert got["host"] == ("0.0.0.0", "env PGRESERVE_HOST")
+    assert got["host"] == ("10.1.2.3", "env PGRESERVE_HOST")
     assert got["ops_port"] == ("9300", f"file {conf}")
     assert got["proxy_headers"] == ("true", f"file {conf}")
     assert got["backlog"] == ("2048", "default")
