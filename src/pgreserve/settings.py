@@ -374,8 +374,6 @@ class Settings:
             given = "ssl_certfile" if missing == "ssl_keyfile" else "ssl_keyfile"
             raise SettingsError(f"{self._where(given)}: needs {missing} too "
                                 f"(--{missing.replace('_', '-')})")
-        if self.ssl_keyfile_password is not None and self.ssl_keyfile is None:
-            raise SettingsError(f"{self._where('ssl_keyfile_password')}: needs ssl_keyfile")
         for key in ("uds", "request_log_file"):
             path = getattr(self, key)
             if path is None:
