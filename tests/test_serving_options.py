@@ -43,10 +43,10 @@ class Serving:
 
 
 @contextmanager
-def serving(*args: str, env: dict[str, str] | None = None,
-            stop: bool = True) -> Iterator[Serving]:
-    """`pgreserve serve --no-ops ARGS` until its banner is out; SIGTERM (exit 0) at the end
-    unless `stop` is False (the test stops it)."""
+def serving(*args: str, env: dict[str, str] | None = None, stop: bool = True,
+            ready: str = "Press Ctrl-C") -> Iterator[Serving]:
+    """`pgreserve serve --no-ops ARGS` until its banner (`ready`) is out; SIGTERM (exit 0)
+    at the end unless `stop` is False (the test stops it)."""
     proc = subprocess.Popen([str(BIN), "serve", "--no-ops", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env or clean_env())
     lines: list[str] = []
@@ -56,7 +56,7 @@ def serving(*args: str, env: dict[str, str] | None = None,
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line)
-            if "Press Ctrl-C" in line:
+            if ready in line:
                 up.set()
         up.set()
 
@@ -249,3 +249,25 @@ def test_graceful_shutdown_timeout_cuts_a_stalled_request(dsn: str) -> None:
         assert server.proc.wait(timeout=60) == 0, server.output
         conn.settimeout(10)
         assert not conn.recv(65536).startswith(b"HTTP/1.1 200")
+
+
+def test_workers_processes_share_the_request_log_file_and_server_options(
+        dsn: str, folder: Path) -> None:
+    """`serve --workers 2` hands the request log file, its format and the proxy settings to
+    every process: each request is one whole JSON line there, with the forwarded client."""
+    port = free_port()
+    log = folder / "requests.log"
+    with serving("--database-url", dsn, "--port", str(port), "--workers", "2",
+                 "--request-log-file", str(log), "--request-log-format", "json",
+                 "--proxy-headers", "--forwarded-allow-ips", "127.0.0.1",
+                 ready="(2 processes)") as server, httpx.Client() as client:
+        deadline = time.monotonic() + 60
+        while _refused(port):  # the processes' shared socket is bound after the banner
+            assert time.monotonic() < deadline, server.output
+            time.sleep(0.2)
+        for _ in range(6):
+            answer = client.get(f"http://127.0.0.1:{port}/v1/stock/berlin/tee",
+                                headers={"X-Forwarded-For": "198.51.100.4"})
+            assert answer.status_code == 401
+    entries = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(e["status"], e["client"]) for e in entries] == [(401, "198.51.100.4")] * 6
