@@ -42,13 +42,15 @@ def test_flag_beats_environment_beats_file_beats_default(folder: Path) -> None:
     """Each setting is taken from the flag, else the PGRESERVE_* variable, else the file,
     else the default, and `config show` names which."""
     conf = folder / "pgreserve.toml"
-    conf.write_text('port = 9001\nhost = "10.0.0.5"\nops_port = 9300\nproxy_headers = true\n')
+    conf.write_text('port = 9001\nhost = "10.0.0.5"\nops_port = 9300\nproxy_headers = true\n'
+                    "prepare_threshold = 0\n")
     got = show("--config", str(conf), "--port", "9002",
                env={"PGRESERVE_PORT": "9003", "PGRESERVE_HOST": "10.1.2.3"})
     assert got["port"] == ("9002", "flag --port")
     assert got["host"] == ("10.1.2.3", "env PGRESERVE_HOST")
     assert got["ops_port"] == ("9300", f"file {conf}")
     assert got["proxy_headers"] == ("true", f"file {conf}")
+    assert got["prepare_threshold"] == ("0", f"file {conf}")
     assert got["backlog"] == ("2048", "default")
     assert got["config_file"] == str(conf)
 

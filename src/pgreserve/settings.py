@@ -51,6 +51,7 @@ class Spec:
     dest: str | None = None  # the command's parameter name, when not the key
     secret: bool = False
     callback: Callback | None = None
+    numbers_too: bool = False  # a string setting whose file value may be an integer
 
     @property
     def envvar(self) -> str:
@@ -137,7 +138,7 @@ SPECS: tuple[Spec, ...] = (
          "figures are then checked (doctor) or exported (/metrics).", secret=True),
     Spec("prepare_threshold", ("--prepare-threshold",), str, "5",
          "Executions after which psycopg prepares a statement; none behind PgBouncer "
-         "older than 1.21 (transaction pooling).", callback=_threshold),
+         "older than 1.21 (transaction pooling).", callback=_threshold, numbers_too=True),
     Spec("proxy_headers", ("--proxy-headers/--no-proxy-headers",), bool, False,
          "Take the client address and scheme from X-Forwarded-For / X-Forwarded-Proto, "
          "from the addresses of --forwarded-allow-ips only."),
@@ -238,6 +239,8 @@ class ConfigFile:
     def convert(self, spec: Spec, param: click.Parameter, ctx: click.Context) -> Any:
         """The file's value of `spec`, checked by type, then by the option's own type."""
         value = self.values[spec.key]
+        if spec.numbers_too and isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
         want = _python_type(param.type)
         ok = (isinstance(value, want) and not (want is not bool and isinstance(value, bool)))
         if not ok:
