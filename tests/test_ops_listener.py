@@ -225,7 +225,7 @@ def test_request_log_has_one_line_per_request_and_no_secret(dsn: str) -> None:
     lines = [json.loads(line) for line in text.splitlines()]
     assert len(lines) == 8, text
     fields = {"ts", "event", "method", "route", "status", "outcome", "tenant_id",
-              "request_key", "duration_seconds", "error_class"}
+              "request_key", "duration_seconds", "error_class", "client"}
     assert all(set(line) == fields for line in lines)
     with psycopg.connect(dsn) as conn:
         tenant = conn.execute("SELECT tenant_id FROM tenant WHERE name = 'acme'").fetchone()
@@ -252,7 +252,7 @@ def test_request_log_has_one_line_per_request_and_no_secret(dsn: str) -> None:
 def test_text_request_log_line_keeps_a_hostile_key_on_one_line() -> None:
     """A request key with a newline and a fake field is quoted: one line, no forged field."""
     line = format_text((0.0, "POST", "/v1/reservations", 201, "ok", 7,
-                        'k\nstatus=500 "x"', 0.01, None))
+                        'k\nstatus=500 "x"', 0.01, None, None))
     assert "\n" not in line
     assert line.count(" status=") == 1 and 'request_key="k\\nstatus=500 \\"x\\""' in line
 

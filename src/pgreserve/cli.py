@@ -8,7 +8,6 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,12 +16,13 @@ import psycopg
 import psycopg.conninfo
 from rich.console import Console
 
-from . import errors
+from . import errors, settings
 from .config import database_url, mask_password
 from .core.service import ReservationService
 from .db import migrate as migrations
 from .db.database import Database
 from .db.embedded import data_dir_from_env
+from .settings import Settings
 from .workers.base import run_forever
 from .workers.janitor import Janitor, JanitorConfig
 from .workers.replenisher import Replenisher
@@ -34,122 +34,44 @@ if TYPE_CHECKING:
 
 console = Console(stderr=True, soft_wrap=True)
 
-db_options = [
-    click.option("--database-url", envvar="PGRESERVE_DATABASE_URL", default=None,
-                 show_envvar=True, help="PostgreSQL >= 15 URL; default: the embedded server."),
-    click.option("--data-dir", envvar="PGRESERVE_DATA_DIR", default=None, show_envvar=True,
-                 help="Data directory of the embedded server (default ./.pgreserve/data, "
-                      "relative to the current directory; only `up` and `migrate` create it)."),
-]
-
 
 def with_db(f: Any) -> Any:
-    for option in reversed(db_options):
-        f = option(f)
-    return f
-
-
-http_options = [
-    click.option("--host", envvar="PGRESERVE_HOST", default="127.0.0.1", show_default=True,
-                 show_envvar=True, help="Address the HTTP API listens on."),
-    click.option("--port", envvar="PGRESERVE_PORT", default=8000, show_default=True,
-                 show_envvar=True, type=click.IntRange(0, 65535), help="Port of the HTTP API."),
-]
-
-ops_options = [
-    click.option("--ops-host", envvar="PGRESERVE_OPS_HOST", default="127.0.0.1",
-                 show_default=True,
-                 help="Address of the ops listener (/metrics, /ops, operator routes)."),
-    click.option("--ops-port", envvar="PGRESERVE_OPS_PORT", default=9187, show_default=True,
-                 type=click.IntRange(1, 65535), help="Port of the ops listener."),
-    click.option("--ops/--no-ops", "ops_enabled", envvar="PGRESERVE_OPS", default=True,
-                 show_default=True, help="Serve the ops listener."),
-    click.option("--log-format", envvar="PGRESERVE_LOG_FORMAT", default="text",
-                 show_default=True, type=click.Choice(["text", "json"]),
-                 help="Format of the request log and the other log lines."),
-    click.option("--request-log/--no-request-log", envvar="PGRESERVE_REQUEST_LOG",
-                 default=True, show_default=True,
-                 help="One line per request on stderr (uvicorn's access log stays off)."),
-]
-
-retention_option = click.option(
-    "--key-retention-hours", envvar="PGRESERVE_KEY_RETENTION_HOURS", default=24.0,
-    show_default=True, show_envvar=True, type=click.FloatRange(min=1.0),
-    help="Keep Idempotency-Keys at least this long before the janitor forgets them.")
-
-
-pgbouncer_option = click.option(
-    "--pgbouncer-admin-url", envvar="PGRESERVE_PGBOUNCER_ADMIN_URL", default=None,
-    show_envvar=True,
-    help="PgBouncer's admin console (postgresql://USER@HOST:PORT/pgbouncer); its pool "
-         "figures are then checked (doctor) or exported (/metrics).")
-
-http_options += [
-    click.option("--request-deadline-seconds", envvar="PGRESERVE_REQUEST_DEADLINE_SECONDS",
-                 default=5.0, show_default=True, show_envvar=True,
-                 type=click.FloatRange(0.1, 600),
-                 help="Every request's deadline: the wait for a connection, the transaction's "
-                      "statement_timeout and every retry fit inside it (past it: 503 busy, "
-                      "not run)."),
-    click.option("--tenant-max-in-flight", envvar="PGRESERVE_TENANT_MAX_IN_FLIGHT", default=0,
-                 show_default=True, show_envvar=True, type=click.IntRange(0, 1_000_000),
-                 help="At most this many requests of one tenant at once per API process "
-                      "(429 beyond); 0: no limit."),
-    pgbouncer_option,
-]
+    """--database-url and --data-dir, and --config FILE whose values they fall back on."""
+    return settings.config_option(settings.options(*settings.DB_KEYS)(f))
 
 
 def with_http(f: Any) -> Any:
-    for option in reversed(http_options + ops_options):
-        f = option(f)
-    return f
+    """The API's and the ops listener's settings (settings.API_KEYS)."""
+    return settings.options(*settings.API_KEYS)(f)
 
 
-def _redis_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """A URL redis-py can use (its schemes), checked before anything starts."""
-    if value is None:
+retention_option = settings.options("key_retention_hours")
+pgbouncer_option = settings.options("pgbouncer_admin_url")
+legacy_option = settings.options("legacy_redis_url")
+workers_option = settings.options("workers")
+
+
+def _api_options(s: Settings) -> dict[str, Any]:
+    """create_app's options from the settings."""
+    return {"request_deadline_s": s.request_deadline_seconds,
+            "tenant_max_in_flight": s.tenant_max_in_flight,
+            "pgbouncer_admin_url": s.pgbouncer_admin_url,
+            "legacy_redis_url": s.legacy_redis_url}
+
+
+def _request_log(s: Settings) -> RequestLog | None:
+    """The request log the settings ask for (None when off); sets up the other log lines."""
+    from .http.requestlog import RequestLog, configure_logging
+
+    configure_logging(s.log_format)
+    if not s.request_log:
         return None
-    from urllib.parse import urlsplit
-
-    if urlsplit(value).scheme not in ("redis", "rediss", "unix"):
-        raise click.BadParameter(
-            f"{value!r} is not a Redis URL (redis://, rediss:// or unix://)")
-    return value
+    return RequestLog(s.request_log_fmt, stream=s.open_request_log(),
+                      owns_stream=s.request_log_file is not None)
 
 
-legacy_option = click.option(
-    "--legacy-redis-url", envvar="PGRESERVE_LEGACY_REDIS_URL", default=None,
-    callback=_redis_url,
-    help="redis:// URL of the legacy hold store to roll out beside (see `pgreserve rollout`).")
-
-
-def _api_options(request_deadline_seconds: float, tenant_max_in_flight: int,
-                 pgbouncer_admin_url: str | None,
-                 legacy_redis_url: str | None = None) -> dict[str, Any]:
-    return {"request_deadline_s": request_deadline_seconds,
-            "tenant_max_in_flight": tenant_max_in_flight,
-            "pgbouncer_admin_url": pgbouncer_admin_url,
-            "legacy_redis_url": legacy_redis_url}
-
-
-@dataclass(frozen=True)
-class Serving:
-    """What `up` and `serve` were asked to serve besides the API itself."""
-
-    ops: tuple[str, int] | None
-    log_format: str
-    request_log: bool
-
-    def log(self) -> RequestLog | None:
-        from .http.requestlog import RequestLog, configure_logging
-
-        configure_logging(self.log_format)
-        return RequestLog(self.log_format) if self.request_log else None
-
-
-def _serving(ops_host: str, ops_port: int, ops_enabled: bool, log_format: str,
-             request_log: bool) -> Serving:
-    return Serving((ops_host, ops_port) if ops_enabled else None, log_format, request_log)
+def _settings(params: dict[str, Any]) -> Settings:
+    return Settings.from_params(params, click.get_current_context())
 
 
 class _Group(click.Group):
@@ -438,7 +360,7 @@ def worker(database_url: str | None, data_dir: str | None, key_retention_hours: 
     deliverer) until SIGTERM or Ctrl-C."""
     with _dsn(database_url, data_dir) as dsn:
         migrations.migrate(dsn)
-        asyncio.run(_run(dsn, http=None, workers=True, key_retention_hours=key_retention_hours))
+        asyncio.run(_run(dsn, http=False, workers=True, key_retention_hours=key_retention_hours))
     console.print("pgreserve stopped cleanly")
 
 
@@ -447,94 +369,118 @@ def worker(database_url: str | None, data_dir: str | None, key_retention_hours: 
 @with_http
 @retention_option
 @legacy_option
-def up(database_url: str | None, data_dir: str | None, host: str, port: int, ops_host: str,
-       ops_port: int, ops_enabled: bool, log_format: str, request_log: bool,
-       request_deadline_seconds: float, tenant_max_in_flight: int,
-       pgbouncer_admin_url: str | None, key_retention_hours: float,
-       legacy_redis_url: str | None) -> None:
+def up(**params: Any) -> None:
     """Start everything: the database (embedded unless a URL is given), migrated, the HTTP API,
     the ops listener and the workers, in one process."""
-    serving = _serving(ops_host, ops_port, ops_enabled, log_format, request_log)
-    _check_listen(host, port)
-    with _dsn(database_url, data_dir, create=True) as dsn:
+    s = _settings(params)
+    _check_listen(s)
+    with _dsn(s.database_url, s.data_dir, create=True) as dsn:
         applied = migrations.migrate(dsn)
         for m in applied:
             console.print(f"applied migration {m.version:04d}_{m.name}")
         from .http.server import run
 
-        run(_run(dsn, http=(host, port), workers=True, serving=serving,
-                 key_retention_hours=key_retention_hours, announce=True,
-                 api_options=_api_options(request_deadline_seconds, tenant_max_in_flight,
-                                          pgbouncer_admin_url, legacy_redis_url)))
+        run(_run(dsn, settings=s, http=True, workers=True,
+                 key_retention_hours=s.key_retention_hours, announce=True))
     console.print("pgreserve stopped cleanly")
 
 
 @main.command()
 @with_db
 @with_http
-@click.option("--workers", "processes", default=1, show_default=True,
-              type=click.IntRange(1, 64), help="HTTP server processes.")
+@workers_option
 @legacy_option
-def serve(database_url: str | None, data_dir: str | None, host: str, port: int, ops_host: str,
-          ops_port: int, ops_enabled: bool, log_format: str, request_log: bool,
-          request_deadline_seconds: float, tenant_max_in_flight: int,
-          pgbouncer_admin_url: str | None, processes: int,
-          legacy_redis_url: str | None) -> None:
+def serve(**params: Any) -> None:
     """Run the HTTP API and the ops listener (run `pgreserve worker` beside them).
 
     With --workers N the API runs in N processes and the ops listener in the
     parent process, which aggregates the workers' metrics."""
-    serving = _serving(ops_host, ops_port, ops_enabled, log_format, request_log)
-    _check_listen(host, port)
-    api_options = _api_options(request_deadline_seconds, tenant_max_in_flight,
-                               pgbouncer_admin_url, legacy_redis_url)
-    with _dsn(database_url, data_dir) as dsn:
+    s = _settings(params)
+    _check_listen(s)
+    with _dsn(s.database_url, s.data_dir) as dsn:
         migrations.migrate(dsn)
-        if processes == 1:
+        if s.workers == 1:
             from .http.server import run
 
-            run(_run(dsn, http=(host, port), workers=False, serving=serving, announce=True,
-                     api_options=api_options))
+            run(_run(dsn, settings=s, http=True, workers=False, announce=True))
         else:
-            os.environ["PGRESERVE_DATABASE_URL"] = dsn
-            # each process's create_app reads these (http/app.py admission_from_env)
-            os.environ["PGRESERVE_REQUEST_DEADLINE_SECONDS"] = str(request_deadline_seconds)
-            os.environ["PGRESERVE_TENANT_MAX_IN_FLIGHT"] = str(tenant_max_in_flight)
-            if pgbouncer_admin_url:
-                os.environ["PGRESERVE_PGBOUNCER_ADMIN_URL"] = pgbouncer_admin_url
-            if legacy_redis_url:
-                os.environ["PGRESERVE_LEGACY_REDIS_URL"] = legacy_redis_url
-            # The worker processes build their app from the environment.
-            os.environ["PGRESERVE_LOG_FORMAT"] = log_format
-            os.environ["PGRESERVE_REQUEST_LOG"] = "1" if request_log else "0"
-            # prometheus_client multiprocess mode: each worker writes its values
-            # to files in this directory and /metrics aggregates them.
-            if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-                import tempfile
-
-                os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(
-                    prefix="pgreserve-metrics-")
-            from .http.requestlog import configure_logging
-            from .http.server import ListenerError, run_workers
-
-            configure_logging(log_format)
-            console.print(f"pgreserve API on http://{host}:{port} ({processes} processes)")
-            if serving.ops is not None:
-                console.print(f"ops: http://{serving.ops[0]}:{serving.ops[1]}/ops")
-            try:
-                run_workers(host, port, processes, ops=serving.ops, dsn=dsn,
-                            pgbouncer_admin_url=pgbouncer_admin_url)
-            except ListenerError as exc:
-                raise click.ClickException(str(exc)) from None
+            _serve_processes(dsn, s)
     console.print("pgreserve stopped cleanly")
 
 
-async def _run(dsn: str, *, http: tuple[str, int] | None, workers: bool,
-               serving: Serving | None = None, key_retention_hours: float = 24.0,
-               announce: bool = False, api_options: dict[str, Any] | None = None) -> None:
+def _serve_processes(dsn: str, s: Settings) -> None:
+    """`serve --workers N`: each process builds its app from the environment set here."""
+    env = os.environ
+    env["PGRESERVE_DATABASE_URL"] = dsn
+    # each process's create_app reads these (http/app.py admission_from_env)
+    env["PGRESERVE_REQUEST_DEADLINE_SECONDS"] = str(s.request_deadline_seconds)
+    env["PGRESERVE_TENANT_MAX_IN_FLIGHT"] = str(s.tenant_max_in_flight)
+    env["PGRESERVE_PREPARE_THRESHOLD"] = s.prepare_threshold
+    if s.pgbouncer_admin_url:
+        env["PGRESERVE_PGBOUNCER_ADMIN_URL"] = s.pgbouncer_admin_url
+    if s.legacy_redis_url:
+        env["PGRESERVE_LEGACY_REDIS_URL"] = s.legacy_redis_url
+    # and their logging (http/requestlog.py from_env)
+    env["PGRESERVE_LOG_FORMAT"] = s.log_format
+    env["PGRESERVE_REQUEST_LOG"] = "1" if s.request_log else "0"
+    env["PGRESERVE_REQUEST_LOG_FORMAT"] = s.request_log_fmt
+    if s.request_log_file:
+        env["PGRESERVE_REQUEST_LOG_FILE"] = str(Path(s.request_log_file).resolve())
+    # prometheus_client multiprocess mode: each worker writes its values
+    # to files in this directory and /metrics aggregates them.
+    if not env.get("PROMETHEUS_MULTIPROC_DIR"):
+        import tempfile
+
+        env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="pgreserve-metrics-")
+    from .http.requestlog import configure_logging
+    from .http.server import ListenerError, run_workers
+
+    configure_logging(s.log_format)
+    console.print(f"pgreserve API on {s.api_url} ({s.workers} processes)", highlight=False)
+    if s.ops_address is not None:
+        console.print(f"ops: http://{s.ops_host}:{s.ops_port}/ops", highlight=False)
+    try:
+        run_workers(s.host, s.port, s.workers, ops=s.ops_address, dsn=dsn,
+                    pgbouncer_admin_url=s.pgbouncer_admin_url,
+                    server_options=s.server_options())
+    except ListenerError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@main.group("config")
+def config_group() -> None:
+    """The settings `up` and `serve` would run with."""
+
+
+@config_group.command("show")
+@with_db
+@with_http
+@retention_option
+@legacy_option
+@workers_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def config_show(as_json: bool, **params: Any) -> None:
+    """Print every setting, its value (secrets masked) and where it came from: a flag, a
+    PGRESERVE_* variable, the --config file, or the default. Starts nothing."""
+    s = _settings(params)
+    rows = s.shown()
+    if as_json:
+        click.echo(json.dumps({"config_file": s.config_file,
+                               "settings": [{"key": k, "value": v, "source": src}
+                                            for k, v, src in rows]}, indent=2))
+        return
+    click.echo(f"# settings file: {s.config_file or '- (none: --config / PGRESERVE_CONFIG)'}")
+    width = max(len(k) for k, _, _ in rows)
+    for key, value, source in rows:
+        click.echo(f"{key:<{width}}  {value}  ({source})")
+
+
+async def _run(dsn: str, *, http: bool, workers: bool, settings: Settings | None = None,
+               key_retention_hours: float = 24.0, announce: bool = False) -> None:
     """Run the API and/or the workers in this event loop until SIGINT or SIGTERM."""
     from datetime import timedelta
 
+    s = settings or Settings(request_log=False)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -545,7 +491,8 @@ async def _run(dsn: str, *, http: tuple[str, int] | None, workers: bool,
     # The workers' statements run on pools of their own business process
     # (pgreserve:sweeper, :replenisher, :janitor, :webhooks).
     async with Database(dsn, max_size=5, application_name="pgreserve:workers",
-                        role_pools=True, role_max_size=2) as database:
+                        role_pools=True, role_max_size=2,
+                        prepare_threshold=s.prepare_after) as database:
         service = ReservationService(database)
         if workers:
             keep = timedelta(hours=key_retention_hours)
@@ -553,24 +500,26 @@ async def _run(dsn: str, *, http: tuple[str, int] | None, workers: bool,
             for w in (Sweeper(service), Replenisher(service),
                       Janitor(service, JanitorConfig(keep=keep)), deliverer):
                 tasks.append(asyncio.create_task(run_forever(w, stop)))
-        if http is not None:
+        if http:
             from .http.server import Listeners
 
-            serving = serving or Serving(None, "text", False)
-            request_log = serving.log()
-            server = Listeners(dsn, http, serving.ops, request_log=request_log,
-                               api_options=api_options)
+            server = Listeners(dsn, (s.host, s.port), s.ops_address,
+                               prepare_threshold=s.prepare_after,
+                               request_log=_request_log(s), api_options=_api_options(s),
+                               server_options=s.server_options())
             serving_started = asyncio.Event()
             tasks.append(asyncio.create_task(server.serve(stop, serving_started)))
             waiter = asyncio.create_task(serving_started.wait())
             await asyncio.wait([waiter, tasks[-1]], return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
             if announce and server.started:
-                url = f"http://{http[0]}:{http[1]}"
-                console.print(f"[bold green]pgreserve is up[/] API: {url}  (docs: {url}/docs)")
-                if serving.ops is not None:
-                    ops_url = f"http://{serving.ops[0]}:{serving.ops[1]}"
-                    console.print(f"ops: {ops_url}/ops  metrics: {ops_url}/metrics")
+                url = s.api_url
+                console.print(f"[bold green]pgreserve is up[/] API: {url}  (docs: {url}/docs)",
+                              highlight=False)
+                if s.ops_address is not None:
+                    ops_url = f"http://{s.ops_host}:{s.ops_port}"
+                    console.print(f"ops: {ops_url}/ops  metrics: {ops_url}/metrics",
+                                  highlight=False)
                 console.print(f"database: {mask_password(dsn)}", highlight=False)
                 console.print("create a tenant and its API key with:  pgreserve tenant create "
                               f"NAME{_same_database_hint(dsn)}", highlight=False)
@@ -591,9 +540,9 @@ async def _run(dsn: str, *, http: tuple[str, int] | None, workers: bool,
         stop_task.cancel()
     failed = [r for r in results if isinstance(r, BaseException)]
     if server is not None and not server.started:
-        where = f" on {http[0]}:{http[1]}" if http else ""
-        if serving is not None and serving.ops is not None:
-            where += f" (ops listener {serving.ops[0]}:{serving.ops[1]})"
+        where = f" on {s.uds or f'{s.host}:{s.port}'}"
+        if s.ops_address is not None:
+            where += f" (ops listener {s.ops_host}:{s.ops_port})"
         raise click.ClickException(f"the HTTP server could not start{where}")
     if failed:
         raise failed[0]
@@ -889,10 +838,14 @@ def _dsn(database_url: str | None, data_dir: str | None, *, create: bool = False
     return database_url_ctx(database_url, data_dir, create=create)
 
 
-def _check_listen(host: str, port: int) -> None:
-    """Fail with a message, before anything starts, when host:port cannot be listened on."""
+def _check_listen(s: Settings) -> None:
+    """Fail with a message, before anything starts, when the API's address cannot be
+    listened on (a Unix socket's directory is checked with the settings)."""
     import socket
 
+    if s.uds is not None:
+        return
+    host, port = s.host, s.port
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:

@@ -124,7 +124,14 @@ class ObserveRequests:
                         break
                 self.log.emit((time.time(), method, path, status, outcome_of(status, replayed),
                                scope.get(TENANT_KEY), key, seconds,
-                               error or scope.get(ERROR_KEY)))
+                               error or scope.get(ERROR_KEY), _client(scope)))
+
+
+def _client(scope: Scope) -> str | None:
+    """The client's address (behind a trusted proxy: the one it forwarded), None on a
+    Unix socket."""
+    client = scope.get("client")
+    return str(client[0]) if client else None
 
 
 def _logged_key(raw: str) -> str:

@@ -20,8 +20,10 @@ from typing import IO, Any
 
 FORMATS = ("text", "json")
 
-# (unix time, method, route, status, outcome, tenant id, request key, seconds, error class)
-Entry = tuple[float, str, str, int, str, int | None, str | None, float, str | None]
+# (unix time, method, route, status, outcome, tenant id, request key, seconds, error class,
+#  client address: the peer's, or the one a trusted proxy forwarded)
+Entry = tuple[float, str, str, int, str, int | None, str | None, float, str | None,
+              str | None]
 
 # Idempotency-Keys are at most 200 characters (longer ones are refused); a
 # refused one is logged cut to this length.
@@ -33,20 +35,21 @@ def _iso(t: float) -> str:
 
 
 def format_text(e: Entry) -> str:
-    t, method, route, status, outcome, tenant, key, seconds, error = e
+    t, method, route, status, outcome, tenant, key, seconds, error, client = e
     # The key is the client's string: quoted as JSON, so it cannot forge a field or a line.
     return (f"{_iso(t)} request method={method} route={route} status={status}"
             f" outcome={outcome} tenant_id={'-' if tenant is None else tenant}"
             f" request_key={'-' if key is None else json.dumps(key)}"
-            f" duration_seconds={seconds:.6f} error_class={error or '-'}")
+            f" duration_seconds={seconds:.6f} error_class={error or '-'}"
+            f" client={client or '-'}")
 
 
 def format_json(e: Entry) -> str:
-    t, method, route, status, outcome, tenant, key, seconds, error = e
+    t, method, route, status, outcome, tenant, key, seconds, error, client = e
     return json.dumps({"ts": _iso(t), "event": "request", "method": method, "route": route,
                        "status": status, "outcome": outcome, "tenant_id": tenant,
                        "request_key": key, "duration_seconds": round(seconds, 6),
-                       "error_class": error}, separators=(",", ":"))
+                       "error_class": error, "client": client}, separators=(",", ":"))
 
 
 def outcome_of(status: int, replayed: bool) -> str:
@@ -59,14 +62,17 @@ def outcome_of(status: int, replayed: bool) -> str:
 
 
 class RequestLog:
-    """A queue of entries and the thread that writes them to `stream` (stderr by default)."""
+    """A queue of entries and the thread that writes them to `stream` (stderr by default).
+
+    With `owns_stream` (a file the settings named) close() closes the stream too."""
 
     def __init__(self, fmt: str = "text", stream: IO[str] | None = None,
-                 max_pending: int = 100_000) -> None:
+                 max_pending: int = 100_000, *, owns_stream: bool = False) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"log format must be one of {FORMATS}, not {fmt!r}")
         self.format = format_json if fmt == "json" else format_text
         self.stream = stream
+        self.owns_stream = owns_stream
         # Bounded: when the writer cannot keep up, lines are dropped (and counted)
         # rather than requests slowed or memory grown.
         self.queue: queue.Queue[Entry | threading.Event | None] = queue.Queue(max_pending)
@@ -118,16 +124,23 @@ class RequestLog:
             self.queue.put(None)
             self._thread.join(10)
             self._thread = None
+        if self.owns_stream and self.stream is not None:
+            self.stream.close()
 
 
 def from_env() -> RequestLog | None:
-    """PGRESERVE_REQUEST_LOG (on unless 0/off/false) and PGRESERVE_LOG_FORMAT (text|json),
-    as `serve --workers N` hands them to its worker processes (their logging too)."""
+    """PGRESERVE_REQUEST_LOG (on unless 0/off/false), PGRESERVE_LOG_FORMAT (text|json),
+    PGRESERVE_REQUEST_LOG_FORMAT and PGRESERVE_REQUEST_LOG_FILE (appended to; default
+    stderr), as `serve --workers N` hands them to its worker processes (their logging
+    too). Each process appends whole lines, so several can share one file."""
     fmt = os.environ.get("PGRESERVE_LOG_FORMAT", "text") or "text"
     configure_logging(fmt)
     if os.environ.get("PGRESERVE_REQUEST_LOG", "1").lower() in ("0", "off", "false", "no"):
         return None
-    return RequestLog(fmt)
+    path = os.environ.get("PGRESERVE_REQUEST_LOG_FILE") or None
+    stream = None if path is None else open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by RequestLog.close
+    return RequestLog(os.environ.get("PGRESERVE_REQUEST_LOG_FORMAT") or fmt, stream,
+                      owns_stream=stream is not None)
 
 
 class JsonFormatter(logging.Formatter):

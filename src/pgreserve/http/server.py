@@ -41,23 +41,30 @@ class ListenerError(RuntimeError):
     """A listener could not start (its port taken, its app's startup failed)."""
 
 
-def workers_options(host: str, port: int, workers: int, *,
-                    access_log: bool = False) -> dict[str, Any]:
+# X-Forwarded-* are believed only when asked (settings: proxy_headers).
+DEFAULT_SERVER_OPTIONS: dict[str, Any] = {"proxy_headers": False}
+
+
+def workers_options(host: str, port: int, workers: int, *, access_log: bool = False,
+                    **server_options: Any) -> dict[str, Any]:
     """uvicorn.run's arguments for `serve --workers N` (uvicorn.Config takes the same).
 
     uvicorn's access log stays off unless asked: the app writes its own request log.
     `log_config=None`: uvicorn's own lines go through the root logger, in the
-    process's --log-format.
+    process's --log-format. `server_options`: uvicorn.Config's production options
+    (Settings.server_options: proxy headers, root path, TLS, Unix socket, timeouts).
     """
     return {"app": APP_FACTORY, "factory": True, "host": host, "port": port,
             "workers": workers, "loop": LOOP, "http": HTTP, "log_level": "warning",
-            "access_log": access_log, "log_config": None}
+            "access_log": access_log, "log_config": None,
+            **DEFAULT_SERVER_OPTIONS, **server_options}
 
 
 def run_workers(host: str, port: int, workers: int, *,
                 ops: tuple[str, int] | None = None, dsn: str | None = None,
                 collectors: Sequence[Collector] = (),
-                pgbouncer_admin_url: str | None = None) -> None:
+                pgbouncer_admin_url: str | None = None,
+                server_options: dict[str, Any] | None = None) -> None:
     """Serve the API from `workers` processes sharing one socket, until SIGINT or SIGTERM.
 
     The ops listener (when `ops` is given) runs in this, the parent, process,
@@ -80,7 +87,7 @@ def run_workers(host: str, port: int, workers: int, *,
         if not ops_server.started:
             raise ListenerError(f"the ops listener could not start on {ops[0]}:{ops[1]}")
     try:
-        uvicorn.run(**workers_options(host, port, workers))
+        uvicorn.run(**workers_options(host, port, workers, **(server_options or {})))
     finally:
         if ops_server is not None and thread is not None:
             ops_server.should_exit = True
@@ -99,11 +106,12 @@ class ListenerServer(uvicorn.Server):
     `serve()` runs in the caller's loop: start it with `run()` to have uvloop there too.
     """
 
-    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+    def __init__(self, app: FastAPI, host: str, port: int, **server_options: Any) -> None:
+        """`server_options`: more of uvicorn.Config's (see workers_options)."""
         self.app = app
         config = uvicorn.Config(app, host=host, port=port, loop=LOOP, http=HTTP,
                                 log_level="warning", lifespan="on", access_log=False,
-                                log_config=None)
+                                log_config=None, **{**DEFAULT_SERVER_OPTIONS, **server_options})
         super().__init__(config)
 
     @contextlib.contextmanager
@@ -132,10 +140,13 @@ class ApiServer(ListenerServer):
 
     def __init__(self, dsn: str, host: str, port: int, *, monitor: bool = False,
                  prepare_threshold: int | None = 5,
-                 request_log: RequestLog | None = None, **app_options: Any) -> None:
-        """`app_options`: more of create_app's options (deadline, tenant limit, ...)."""
+                 request_log: RequestLog | None = None,
+                 server_options: dict[str, Any] | None = None, **app_options: Any) -> None:
+        """`app_options`: more of create_app's options (deadline, tenant limit, ...);
+        `server_options`: uvicorn's (see workers_options)."""
         super().__init__(create_app(dsn, monitor=monitor, prepare_threshold=prepare_threshold,
-                                    request_log=request_log, **app_options), host, port)
+                                    request_log=request_log, **app_options), host, port,
+                         **(server_options or {}))
 
 
 class OpsServer(ListenerServer):
@@ -153,9 +164,13 @@ class Listeners:
     def __init__(self, dsn: str, api: tuple[str, int], ops: tuple[str, int] | None, *,
                  prepare_threshold: int | None = 5, request_log: RequestLog | None = None,
                  monitor: bool = True, collectors: Sequence[Collector] = (),
-                 api_options: dict[str, Any] | None = None) -> None:
+                 api_options: dict[str, Any] | None = None,
+                 server_options: dict[str, Any] | None = None) -> None:
+        """`server_options` (uvicorn's production options) apply to the API listener only:
+        the ops listener stays a plain HTTP one on its loopback address."""
         self.api = ApiServer(dsn, *api, prepare_threshold=prepare_threshold,
-                             request_log=request_log, **(api_options or {}))
+                             request_log=request_log, server_options=server_options,
+                             **(api_options or {}))
         self.ops = None if ops is None else OpsServer(
             create_ops_app(state=self.api.app.state, monitor=monitor, collectors=collectors),
             *ops)
