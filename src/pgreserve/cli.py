@@ -23,6 +23,7 @@ from .core.service import ReservationService
 from .db import migrate as migrations
 from .db.database import Database
 from .db.embedded import data_dir_from_env
+from .schema_cli import schema_option
 from .workers.base import run_forever
 from .workers.janitor import Janitor, JanitorConfig
 from .workers.replenisher import Replenisher
@@ -37,6 +38,7 @@ console = Console(stderr=True, soft_wrap=True)
 db_options = [
     click.option("--database-url", envvar="PGRESERVE_DATABASE_URL", default=None,
                  show_envvar=True, help="PostgreSQL >= 15 URL; default: the embedded server."),
+    schema_option,
     click.option("--data-dir", envvar="PGRESERVE_DATA_DIR", default=None, show_envvar=True,
                  help="Data directory of the embedded server (default ./.pgreserve/data, "
                       "relative to the current directory; only `up` and `migrate` create it)."),

@@ -634,8 +634,10 @@ class ReservationService:
         text = self._qualified.get(name)
         if text is None:
             composed = sql_.SQL(queries[name]).format(sql_.Identifier(self.db.schema))
-            # the schema name is checked (db/schema.py); the rest is the block's text
-            text = self._qualified[name] = cast(LiteralString, composed.as_string(None))
+            # The schema name is checked (db/schema.py), the rest is the block's text.
+            # mypy reads LiteralString as str; the cast is for checkers that enforce it
+            text = cast(LiteralString, composed.as_string(None))  # type: ignore[redundant-cast]
+            self._qualified[name] = text
         return text
 
     async def _transition(self, name: str, action: str, tenant: int,

@@ -13,14 +13,15 @@ SELECT count(*) FROM pg_stat_activity WHERE application_name = %s
  AND datname = current_database();
 
 -- name: pool_partition_tuple_totals
+-- The pool partitions of the installation in schema %s.
 SELECT coalesce(sum(n_dead_tup), 0), coalesce(sum(n_live_tup), 0),
  coalesce(sum(n_tup_del), 0),
  coalesce(sum(vacuum_count + autovacuum_count), 0)
- FROM pg_stat_user_tables WHERE relname LIKE 'stock\_unit\_p%';
+ FROM pg_stat_user_tables WHERE schemaname = %s AND relname LIKE 'stock\_unit\_p%%';
 
 -- name: pool_partition_dead_tuples
 SELECT coalesce(sum(n_dead_tup), 0) FROM pg_stat_user_tables
- WHERE relname LIKE 'stock\_unit\_p%';
+ WHERE schemaname = %s AND relname LIKE 'stock\_unit\_p%%';
 
 -- name: database_transaction_stats
 SELECT deadlocks, xact_commit, xact_rollback FROM pg_stat_database
