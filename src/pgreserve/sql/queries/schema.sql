@@ -72,10 +72,11 @@ BEGIN
                   'rollout_mode', 'rollout_mode_change', 'rollout_comparison',
                   'rollout_traffic', 'rollout_legacy_sale'])
                OR c.relname ~ '^stock_unit_p[0-9]+$')
-          -- identity sequences move with their table
-          AND NOT EXISTS (SELECT 1 FROM pg_depend d
-                          WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid
-                            AND d.deptype IN ('a', 'i'))
+          -- identity and serial sequences move with their table
+          AND (c.relkind <> 'S' OR NOT EXISTS (
+                   SELECT 1 FROM pg_depend d
+                   WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid
+                     AND d.refclassid = 'pg_class'::regclass AND d.deptype IN ('a', 'i')))
     LOOP
         EXECUTE format('ALTER %s public.%I SET SCHEMA %I',
                        CASE r.relkind WHEN 'S' THEN 'SEQUENCE' ELSE 'TABLE' END,
