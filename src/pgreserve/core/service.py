@@ -300,7 +300,7 @@ class ReservationService:
                 return outcome
         try:
             doc = await self._call(
-                "reservation_reserve",
+                queries["reservation_reserve"], queries["reservation_reserve_in"],
                 (tenant, key, fingerprint, lit.text_array(x.sku for x in cart),
                  lit.text_array(x.location for x in cart),
                  lit.int_array(x.quantity for x in cart), lit.interval(life), self.clock()),
@@ -326,7 +326,8 @@ class ReservationService:
         if request_key is not None:
             return await self._keyed(tenant, request_key, "claim", reservation_id, None,
                                      conn=conn)
-        return await self._transition("reservation_claim", "claim", tenant,
+        return await self._transition(queries["reservation_claim"],
+                                      queries["reservation_claim_in"], "claim", tenant,
                                       reservation_id, conn)
 
     async def release(self, tenant: int, reservation_id: str | uuid.UUID, *,
@@ -343,7 +344,8 @@ class ReservationService:
         if request_key is not None:
             return await self._keyed(tenant, request_key, "release", reservation_id, None,
                                      conn=conn)
-        return await self._transition("reservation_release", "release", tenant,
+        return await self._transition(queries["reservation_release"],
+                                      queries["reservation_release_in"], "release", tenant,
                                       reservation_id, conn)
 
     async def extend(self, tenant: int, reservation_id: str | uuid.UUID,
@@ -381,7 +383,8 @@ class ReservationService:
         started = perf_counter()
         try:
             doc = await self._call(
-                "reservation_transition_keyed",
+                queries["reservation_transition_keyed"],
+                queries["reservation_transition_keyed_in"],
                 (tenant, key, operation, digest(operation, params), rid, life, self.clock()),
                 OPS[operation], conn)
         except Exception as exc:
@@ -619,35 +622,36 @@ class ReservationService:
         )
         return [Violation(int(r[0]), r[1], r[2], r[3], r[4]) for r in rows]
 
-    async def _call(self, name: str, params: tuple[Any, ...], op: Op,
-                    conn: psycopg.AsyncConnection[Any] | None) -> Any:
-        """Query block `name` in a transaction of its own, or, with `conn`, on the
-        caller's connection inside its open transaction: the block `<name>_in`,
-        its function named with the schema, run under a savepoint. There nothing
+    async def _call(self, sql: LiteralString, sql_in: LiteralString, params: tuple[Any, ...],
+                    op: Op, conn: psycopg.AsyncConnection[Any] | None) -> Any:
+        """`sql` in a transaction of its own, or, with `conn`, on the caller's
+        connection inside its open transaction: `sql_in`, the same call with its
+        function named with the schema ({}), run under a savepoint. There nothing
         is committed, retried or batched, and a refusal (typed as usual) leaves
         the caller's transaction as it was."""
         if conn is None:
-            return await self.db.call(queries[name], params, op=op)
-        return await self.db.call_on(conn, self._in_schema(f"{name}_in"), params, op=op)
+            return await self.db.call(sql, params, op=op)
+        return await self.db.call_on(conn, self._in_schema(sql_in), params, op=op)
 
-    def _in_schema(self, name: str) -> LiteralString:
-        text = self._qualified.get(name)
+    def _in_schema(self, sql: LiteralString) -> LiteralString:
+        text = self._qualified.get(sql)
         if text is None:
-            composed = sql_.SQL(queries[name]).format(sql_.Identifier(self.db.schema))
+            composed = sql_.SQL(sql).format(sql_.Identifier(self.db.schema))
             # The schema name is checked (db/schema.py), the rest is the block's text.
             # mypy reads LiteralString as str; the cast is for checkers that enforce it
             text = cast(LiteralString, composed.as_string(None))  # type: ignore[redundant-cast]
-            self._qualified[name] = text
+            self._qualified[sql] = text
         return text
 
-    async def _transition(self, name: str, action: str, tenant: int,
+    async def _transition(self, sql: LiteralString, sql_in: LiteralString, action: str,
+                          tenant: int,
                           reservation_id: str | uuid.UUID,
                           conn: psycopg.AsyncConnection[Any] | None = None) -> Reservation:
         tenant = check.tenant_id(tenant)
         rid = _reservation_id(reservation_id)
         started = perf_counter()
         try:
-            doc = await self._call(name, (tenant, rid, self.clock()), OPS[action], conn)
+            doc = await self._call(sql, sql_in, (tenant, rid, self.clock()), OPS[action], conn)
         except Exception as exc:
             self._observe(action, _failure(exc), started)
             raise

@@ -21,6 +21,7 @@ import psycopg
 from psycopg import sql
 
 from ..errors import InvalidRequest
+from .queries import queries
 
 DEFAULT_SCHEMA = "pgreserve"
 ENV = "PGRESERVE_SCHEMA"
@@ -53,7 +54,7 @@ def use(name: str) -> str:
 
 def search_path(name: str) -> sql.Composed:
     """`SET LOCAL search_path` to the schema alone (pg_catalog is always searched)."""
-    return sql.SQL("SET LOCAL search_path TO {}").format(sql.Identifier(check(name)))
+    return sql.SQL(queries["transaction_search_path"]).format(sql.Identifier(check(name)))
 
 
 @contextmanager
