@@ -50,9 +50,9 @@ SELECT count(*) FILTER (WHERE status = 'succeeded'),
 -- name: pgbench_reserve_script
 -- One reserve of one unit of the hot SKU under a random key (2^63 values: never
 -- reused). `\set` and `:name` are pgbench's; `{name}` slots are psycopg.sql
--- literals filled in bench/server.py.
+-- literals filled in bench/server.py ({schema}: reserve_v1 carries its search_path).
 \set r random(1, 9000000000000000000)
-SELECT reserve_v1({tenant}, {key_prefix} || :client_id || '-' || :r, 'pgbench', {skus}::text[], {locations}::text[], {quantities}::integer[], '15 minutes'::interval);
+SELECT {schema}.reserve_v1({tenant}, {key_prefix} || :client_id || '-' || :r, 'pgbench', {skus}::text[], {locations}::text[], {quantities}::integer[], '15 minutes'::interval);
 
 -- name: server_usage_read
 -- This session's backend pid (its parent is the postmaster), the WAL position in
