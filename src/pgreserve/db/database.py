@@ -499,6 +499,10 @@ class Database:
         still open. The statement must name pgreserve's objects with their schema
         (the caller's search_path is not touched)."""
         status = conn.info.transaction_status
+        if status == pq.TransactionStatus.INERROR:
+            raise errors.InvalidRequest(
+                "conn= needs the caller's transaction usable, and it has already failed: "
+                "roll it back (or back to a savepoint) first")
         if status != pq.TransactionStatus.INTRANS:
             raise errors.InvalidRequest(
                 "conn= runs the operation inside the caller's open transaction: start "
