@@ -202,9 +202,9 @@ def _running(*args: str, ready: str | None) -> Iterator[list[str]]:
 
 
 def test_serve_worker_and_doctor_with_another_schema(pg_server: EmbeddedServer) -> None:
-    """With --schema other: migrate, tenant create, serve (reserve, claim), worker (the
-    sweeper expires a hold) and doctor all use schema `other` of a plain DSN, and nothing
-    is created in `pgreserve`."""
+    """With --schema other: migrate, tenant create, serve (reserve, claim; its banner's
+    tenant-create hint names the schema), worker (the sweeper expires a hold) and doctor
+    all use schema `other` of a plain DSN, and nothing is created in `pgreserve`."""
     dsn = _new_database(pg_server, "schema_cli_other")
     db = ("--database-url", dsn, "--schema", "other")
     migrated = pgr("migrate", *db)
@@ -214,9 +214,10 @@ def test_serve_worker_and_doctor_with_another_schema(pg_server: EmbeddedServer) 
     key = json.loads(created.stdout)["api_key"]
     port = free_port()
     with _running("serve", *db, "--port", str(port), "--ops-port", str(free_port()),
-                  ready="Press Ctrl-C"), _running("worker", *db, ready=None), \
+                  ready="Press Ctrl-C") as served, _running("worker", *db, ready=None), \
             httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
                          headers={"Authorization": f"Bearer {key}"}) as client:
+        assert any("tenant create NAME --schema other" in x for x in served), served
         assert client.put("/v1/stock/wh/sku-1", json={"on_hand": 5}).status_code == 200
         sold = client.post("/v1/reservations", headers={"Idempotency-Key": "order-1"},
                            json={"lines": [{"sku": "sku-1", "location": "wh", "quantity": 2}]})
