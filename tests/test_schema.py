@@ -251,3 +251,32 @@ def test_serve_worker_and_doctor_with_another_schema(pg_server: EmbeddedServer) 
         assert conn.execute("SELECT to_regnamespace('pgreserve')").fetchone() == (None,)
         assert conn.execute("SELECT status FROM other.reservation ORDER BY created_at"
                             ).fetchall() == [("claimed",), ("expired",)]
+
+
+async def test_reconcile_and_the_bloat_monitor_read_another_schema(
+        pg_server: EmbeddedServer) -> None:
+    """reconcile (with repair) and the bloat monitor, on a plain DSN, read the installation
+    in schema `other`: its bucket's books, its overdue hold expired, its 16 partitions."""
+    from pgreserve.ops.bloat import BloatMonitor
+    from pgreserve.ops.reconcile import reconcile
+
+    dsn = _new_database(pg_server, "schema_ops_other")
+    migrations.migrate(dsn, schema="other")
+    async with Database(dsn, schema="other") as db:
+        svc = ReservationService(db, batching=False)
+        tenant = await svc.create_tenant("acme")
+        await svc.set_stock(tenant.id, "sku-1", "wh", 4)
+        held = await svc.reserve(tenant.id, "order-1", [Line("sku-1", "wh", 1)], ttl=1)
+        assert held.reservation is not None
+    time.sleep(1.5)
+    found = reconcile(dsn, schema="other", grace_s=0.0, repair=True)
+    assert [(b.sku, b.on_hand) for b in found.books] == [("sku-1", 4)]
+    assert found.drifts == [] and len(found.repaired) == 1, found.as_json()
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT status FROM other.reservation").fetchone() == ("expired",)
+    monitor = BloatMonitor(dsn, schema="other")
+    try:
+        report = await monitor.check()
+    finally:
+        await monitor.close()
+    assert len(report.partitions) == 16
