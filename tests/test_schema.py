@@ -3,6 +3,7 @@ in one database, a shop's own tables, and every command with --schema."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import threading
@@ -268,7 +269,7 @@ async def test_reconcile_and_the_bloat_monitor_read_another_schema(
         await svc.set_stock(tenant.id, "sku-1", "wh", 4)
         held = await svc.reserve(tenant.id, "order-1", [Line("sku-1", "wh", 1)], ttl=1)
         assert held.reservation is not None
-    time.sleep(1.5)
+    await asyncio.sleep(1.5)
     found = reconcile(dsn, schema="other", grace_s=0.0, repair=True)
     assert [(b.sku, b.on_hand) for b in found.books] == [("sku-1", 4)]
     assert found.drifts == [] and len(found.repaired) == 1, found.as_json()
