@@ -72,9 +72,16 @@ def pg_server() -> Iterator[EmbeddedServer]:
     shutil.rmtree(root, ignore_errors=True)
 
 
+def in_schema(dsn: str, schema: str = "pgreserve") -> str:
+    """`dsn` whose sessions search `schema` first, for the tests' own direct connections
+    that read pgreserve's tables by their bare names. pgreserve itself never needs it
+    (it sets search_path per transaction), and PgBouncer 1.18 would refuse it."""
+    return f"{dsn}{'&' if '?' in dsn else '?'}options=-c%20search_path%3D{schema}"
+
+
 @pytest.fixture
-def dsn(pg_server: EmbeddedServer) -> Iterator[str]:
-    """A fresh, migrated database for one test."""
+def plain_dsn(pg_server: EmbeddedServer) -> Iterator[str]:
+    """A fresh, migrated database for one test, addressed as an application would."""
     name = f"t{os.getpid()}_{next(_counter)}"
     admin = pg_server.dsn("postgres")
     with psycopg.connect(admin, autocommit=True) as conn:
@@ -82,6 +89,12 @@ def dsn(pg_server: EmbeddedServer) -> Iterator[str]:
     yield pg_server.dsn(name)
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def dsn(plain_dsn: str) -> str:
+    """The test's database, with pgreserve's schema on the search_path (in_schema)."""
+    return in_schema(plain_dsn)
 
 
 @pytest_asyncio.fixture

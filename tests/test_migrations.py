@@ -8,6 +8,7 @@ import threading
 import psycopg
 import pytest
 
+from conftest import in_schema
 from pgreserve.db import migrate as migrations
 from pgreserve.db.embedded import EmbeddedServer
 from pgreserve.errors import MigrationError
@@ -19,7 +20,7 @@ def empty_dsn(pg_server: EmbeddedServer) -> str:
     with psycopg.connect(pg_server.dsn("postgres"), autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
         conn.execute(f"CREATE DATABASE {name}")
-    return pg_server.dsn(name)
+    return in_schema(pg_server.dsn(name))
 
 
 def test_migrating_twice_is_a_no_op(empty_dsn: str) -> None:
@@ -68,7 +69,7 @@ _CATALOG = {
     "relations": """
         SELECT c.relname, c.relkind::text, coalesce(array_to_string(c.reloptions, ','), '')
         FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-        WHERE n.nspname = 'public' ORDER BY 1""",
+        WHERE n.nspname = %(schema)s ORDER BY 1""",
     "columns": """
         SELECT c.relname, a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull,
                coalesce(pg_get_expr(d.adbin, d.adrelid), ''), a.attidentity::text,
@@ -76,31 +77,31 @@ _CATALOG = {
         FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
         JOIN pg_namespace n ON n.oid = c.relnamespace
         LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
-        WHERE n.nspname = 'public' AND a.attnum > 0 AND NOT a.attisdropped
+        WHERE n.nspname = %(schema)s AND a.attnum > 0 AND NOT a.attisdropped
           AND c.relkind IN ('r', 'p', 'v', 'm')
         ORDER BY 1, 2""",
     "constraints": """
         SELECT c.relname, k.conname, pg_get_constraintdef(k.oid)
         FROM pg_constraint k JOIN pg_class c ON c.oid = k.conrelid
         JOIN pg_namespace n ON n.oid = c.relnamespace
-        WHERE n.nspname = 'public' ORDER BY 1, 2""",
+        WHERE n.nspname = %(schema)s ORDER BY 1, 2""",
     "indexes": """
-        SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'public' ORDER BY 1""",
+        SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = %(schema)s ORDER BY 1""",
     "functions": """
         SELECT p.proname, pg_get_function_identity_arguments(p.oid), pg_get_functiondef(p.oid)
         FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
-        WHERE n.nspname = 'public' ORDER BY 1, 2""",
+        WHERE n.nspname = %(schema)s ORDER BY 1, 2""",
     "triggers": """
         SELECT t.tgname, pg_get_triggerdef(t.oid)
         FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
         JOIN pg_namespace n ON n.oid = c.relnamespace
-        WHERE n.nspname = 'public' AND NOT t.tgisinternal ORDER BY 1""",
+        WHERE n.nspname = %(schema)s AND NOT t.tgisinternal ORDER BY 1""",
 }
 
 
-def _catalog(dsn: str) -> dict[str, list[tuple[object, ...]]]:
+def _catalog(dsn: str, schema: str = "pgreserve") -> dict[str, list[tuple[object, ...]]]:
     with psycopg.connect(dsn) as conn:
-        return {part: conn.execute(query).fetchall()
+        return {part: conn.execute(query, {"schema": schema}).fetchall()
                 for part, query in _CATALOG.items()}
 
 
@@ -163,7 +164,8 @@ def test_replacing_a_function_file_keeps_its_settings(empty_dsn: str) -> None:
     with psycopg.connect(empty_dsn) as conn:
         row = conn.execute("SELECT proconfig FROM pg_proc WHERE proname = 'reserve_v1'").fetchone()
     assert row is not None
-    assert sorted(row[0]) == ["enable_seqscan=off", "plan_cache_mode=force_generic_plan"]
+    assert sorted(row[0]) == ["enable_seqscan=off", "plan_cache_mode=force_generic_plan",
+                              "search_path=pgreserve, pg_temp"]
 
 
 def test_a_database_of_the_old_history_is_refused_with_a_clear_message(empty_dsn: str) -> None:
@@ -174,11 +176,11 @@ def test_a_database_of_the_old_history_is_refused_with_a_clear_message(empty_dsn
     from pgreserve.cli import main
 
     with psycopg.connect(empty_dsn, autocommit=True) as conn:
-        conn.execute("""CREATE TABLE pgreserve_migration (
+        conn.execute("""CREATE TABLE public.pgreserve_migration (
                             version integer PRIMARY KEY, name text NOT NULL,
                             checksum text NOT NULL,
                             applied_at timestamptz NOT NULL DEFAULT now())""")
-        conn.execute("INSERT INTO pgreserve_migration (version, name, checksum)"
+        conn.execute("INSERT INTO public.pgreserve_migration (version, name, checksum)"
                      " VALUES (1, 'core', 'c'), (2, 'functions', 'f')")
     with pytest.raises(MigrationError, match="Recreate it"):
         migrations.migrate(empty_dsn)
@@ -187,4 +189,5 @@ def test_a_database_of_the_old_history_is_refused_with_a_clear_message(empty_dsn
     assert "Recreate it" in result.output and "Traceback" not in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
     with psycopg.connect(empty_dsn) as conn:
-        assert conn.execute("SELECT to_regclass('stock_bucket')").fetchone() == (None,)
+        assert conn.execute("SELECT to_regclass('stock_bucket'), to_regnamespace('pgreserve')"
+                            ).fetchone() == (None, None)

@@ -173,3 +173,20 @@ def test_other_commands_find_the_database_in_the_file(folder: Path, dsn: str) ->
                                       str(folder / "empty"), "--database-url", ""],
                                env={"PGRESERVE_DATABASE_URL": None})
     assert other.exit_code == 1 and "no embedded pgreserve database" in other.output
+
+
+def test_the_schema_comes_from_the_file_and_a_bad_one_is_one_line(folder: Path) -> None:
+    """`schema = "shop_inventory"` in the file is the command's schema (shown with its
+    source); a name that is not a plain identifier is one line naming file and key, exit 2."""
+    before = os.environ.get("PGRESERVE_SCHEMA")
+    conf = folder / "pgreserve.toml"
+    conf.write_text('schema = "shop_inventory"\n')
+    got = show("--config", str(conf), env={"PGRESERVE_SCHEMA": None})  # type: ignore[dict-item]  # None unsets
+    assert got["schema"] == ("shop_inventory", f"file {conf}")
+    assert os.environ.get("PGRESERVE_SCHEMA") == before
+    conf.write_text('schema = "drop table"\n')
+    result = CliRunner().invoke(main, ["config", "show", "--config", str(conf)],
+                                env={"PGRESERVE_SCHEMA": None})
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: {conf}: schema: "), result.output

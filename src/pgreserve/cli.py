@@ -20,6 +20,7 @@ from . import errors, settings
 from .config import database_url, mask_password
 from .core.service import ReservationService
 from .db import migrate as migrations
+from .db import schema as schemas
 from .db.database import Database
 from .db.embedded import data_dir_from_env
 from .settings import Settings
@@ -862,11 +863,13 @@ def _check_listen(s: Settings) -> None:
 
 
 def _same_database_hint(dsn: str) -> str:
-    """How another command reaches the database `dsn` names."""
+    """How another command reaches the database `dsn` names (and the schema in use)."""
+    where = schemas.resolve()
+    schema = "" if where == schemas.DEFAULT_SCHEMA else f" --schema {where}"
     host = psycopg.conninfo.conninfo_to_dict(dsn).get("host")
     if host and str(host).startswith("/") and (Path(str(host)) / "PG_VERSION").exists():
-        return f" --data-dir {host}"
-    return "  (with the same --database-url / PGRESERVE_DATABASE_URL)"
+        return f" --data-dir {host}{schema}"
+    return f"{schema}  (with the same --database-url / PGRESERVE_DATABASE_URL)"
 
 
 database_url_ctx = database_url

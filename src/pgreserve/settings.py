@@ -23,11 +23,15 @@ import click
 from click.core import ParameterSource
 
 from .config import mask_password
+from .db import schema
+from .db.schema import DEFAULT_SCHEMA
+from .errors import InvalidRequest
 
 CONFIG_ENVVAR = "PGRESERVE_CONFIG"
 # ctx.meta keys: the parsed file, and where each setting came from
 _FILE_META = "pgreserve.settings.file"
 _SOURCES_META = "pgreserve.settings.sources"
+_HIDDEN_META = "pgreserve.settings.hidden"
 
 
 class SettingsError(click.ClickException):
@@ -52,6 +56,9 @@ class Spec:
     secret: bool = False
     callback: Callback | None = None
     numbers_too: bool = False  # a string setting whose file value may be an integer
+    # False: the command does not receive it (it acts on the process, e.g. --schema);
+    # Settings still has it
+    exposed: bool = True
 
     @property
     def envvar(self) -> str:
@@ -67,7 +74,8 @@ class Spec:
         names = (*self.decls, self.param) if self.dest else self.decls
         return click.option(*names, envvar=self.envvar, default=self.default,
                             show_default=self.default is not None, show_envvar=True,
-                            help=self.help, callback=_resolver(self), **extra)
+                            help=self.help, callback=_resolver(self),
+                            expose_value=self.exposed, **extra)
 
 
 def _redis_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -105,6 +113,17 @@ def _root_path(ctx: click.Context, param: click.Parameter, value: str | None) ->
     return value
 
 
+def _schema(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--schema: checked, then this process's (and its children's) schema (db/schema.py)."""
+    if value is not None:
+        try:
+            schema.use(value)
+        except InvalidRequest as exc:
+            raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+    ctx.meta.setdefault(_HIDDEN_META, {})["schema"] = value
+    return value
+
+
 def _threshold(ctx: click.Context, param: click.Parameter, value: Any) -> str:
     text = str(value).strip().lower()
     if text != "none" and not (text.isdigit() and int(text) >= 0):
@@ -119,6 +138,9 @@ _FORMAT = click.Choice(["text", "json"])
 SPECS: tuple[Spec, ...] = (
     Spec("database_url", ("--database-url",), str, None,
          "PostgreSQL >= 15 URL; default: the embedded server.", secret=True),
+    Spec("schema", ("--schema",), str, None,
+         f"PostgreSQL schema of pgreserve's tables and functions (default {DEFAULT_SCHEMA}).",
+         callback=_schema, exposed=False),
     Spec("data_dir", ("--data-dir",), str, None,
          "Data directory of the embedded server (default ./.pgreserve/data, relative to the "
          "current directory; only `up` and `migrate` create it)."),
@@ -190,7 +212,7 @@ SPECS: tuple[Spec, ...] = (
 BY_KEY: Mapping[str, Spec] = {s.key: s for s in SPECS}
 BY_PARAM: Mapping[str, Spec] = {s.param: s for s in SPECS}
 
-DB_KEYS = ("database_url", "data_dir")
+DB_KEYS = ("database_url", "schema", "data_dir")
 API_KEYS = ("host", "port", "uds", "request_deadline_seconds", "tenant_max_in_flight",
             "pgbouncer_admin_url", "prepare_threshold", "proxy_headers", "forwarded_allow_ips",
             "root_path", "ssl_certfile", "ssl_keyfile", "ssl_keyfile_password",
@@ -315,6 +337,7 @@ class Settings:
     """Every serving option, resolved. `sources`: where each came from."""
 
     database_url: str | None = None
+    schema: str | None = None  # None: PGRESERVE_SCHEMA or the default (db/schema.py)
     data_dir: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
@@ -352,6 +375,8 @@ class Settings:
         """The settings of a command's parameters (as click passed them), checked."""
         values = {BY_PARAM[name].key: value for name, value in params.items()
                   if name in BY_PARAM}
+        if ctx is not None:  # settings the command does not receive (Spec.exposed)
+            values.update(ctx.meta.get(_HIDDEN_META, {}))
         sources = dict(ctx.meta.get(_SOURCES_META, {})) if ctx is not None else {}
         file: ConfigFile | None = None if ctx is None else ctx.meta.get(_FILE_META)
         made = cls(**values, config_file=None if file is None else str(file.path),

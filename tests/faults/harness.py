@@ -49,6 +49,7 @@ from typing import Any, LiteralString, TypeVar
 import psycopg
 from psycopg import sql
 
+from conftest import in_schema
 from pgreserve import Database, ReservationService, Status, TxSettings
 from pgreserve.db import migrate as migrations
 from pgreserve.db.embedded import EmbeddedServer
@@ -290,7 +291,7 @@ class FaultServer:
         self.dsn = ""
 
     def start(self) -> str:
-        self.dsn = self.server.start()
+        self.dsn = in_schema(self.server.start())
         return self.dsn
 
     def install(self) -> None:

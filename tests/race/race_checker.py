@@ -75,6 +75,7 @@ from typing import Any, TypeVar
 
 import psycopg
 
+from conftest import in_schema
 from pgreserve import Database, ReservationService, Status, TxSettings
 from pgreserve.core.service import digest
 from pgreserve.db import migrate as migrations
@@ -204,7 +205,7 @@ class RaceServer:
     def new_database(self, name: str) -> str:
         with psycopg.connect(self.server.dsn("postgres"), autocommit=True) as conn:
             conn.execute(f"CREATE DATABASE {name} TEMPLATE {self.template}")
-        return self.server.dsn(name)
+        return in_schema(self.server.dsn(name))
 
     @property
     def log(self) -> Path:

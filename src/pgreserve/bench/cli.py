@@ -26,6 +26,7 @@ from rich.table import Table
 from ..db import migrate as migrations
 from ..db.embedded import EmbeddedServer
 from ..errors import InvalidRequest
+from ..schema_cli import schema_option
 from .http import HttpTarget
 from .scenario import Scenario
 
@@ -82,7 +83,8 @@ def _run_options(f: Any) -> Any:
                          default=None, help="Write every figure to this JSON file."),
             click.option("--database-url", envvar="PGRESERVE_BENCH_DATABASE_URL",
                          default=None, help="Run against this PostgreSQL instead of a "
-                                            "fresh embedded server.")]):
+                                            "fresh embedded server."),
+            schema_option]):
         f = option(f)
     return f
 
@@ -154,6 +156,7 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
     @click.option("--quiet", is_flag=True, help="No progress bar.")
     @click.option("--database-url", envvar="PGRESERVE_BENCH_DATABASE_URL", default=None,
                   help="Run against this PostgreSQL instead of a fresh embedded server.")
+    @schema_option
     @click.option("--target", type=click.Choice(["library", "http"]), default="library",
                   show_default=True,
                   help="library: buyers call the Python API; http: they call the HTTP API "

@@ -19,6 +19,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from ..core.service import ReservationService
+from ..db import schema as schemas
 from ..db.database import Database
 from ..db.queries import queries
 from ..errors import InvalidRequest
@@ -273,7 +274,7 @@ async def _settled_snapshot(dsn: str, timeout_s: float = 3.0) -> DbSnapshot:
 async def _snapshot(dsn: str) -> DbSnapshot:
     """Dead and live tuples of the pool partitions, and the database's transaction counters."""
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
-        cur = await conn.execute(queries["pool_partition_tuple_totals"])
+        cur = await conn.execute(queries["pool_partition_tuple_totals"], (schemas.resolve(),))
         dead, live, deleted, vacuums = (await cur.fetchone()) or (0, 0, 0, 0)
         cur = await conn.execute(queries["database_transaction_stats"])
         deadlocks, commits, rollbacks = (await cur.fetchone()) or (0, 0, 0)
@@ -286,7 +287,8 @@ async def _watch_dead_tuples(dsn: str, stop: asyncio.Event, every_s: float = 0.5
     peak = 0
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         while not stop.is_set():
-            cur = await conn.execute(queries["pool_partition_dead_tuples"])
+            cur = await conn.execute(queries["pool_partition_dead_tuples"],
+                                     (schemas.resolve(),))
             row = await cur.fetchone()
             peak = max(peak, int(row[0]) if row else 0)
             with contextlib.suppress(TimeoutError):

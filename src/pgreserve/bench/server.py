@@ -28,6 +28,7 @@ from typing import Any
 from psycopg import sql
 
 from ..core.service import ReservationService
+from ..db import schema as schemas
 from ..db.database import Database
 from ..db.queries import queries
 from ..errors import InvalidRequest
@@ -159,7 +160,8 @@ def parse_report(text: str) -> Phase:
 def script(tenant: int) -> str:
     """One reserve of one unit of the hot SKU under a random key (2^63 values: never reused)."""
     text = sql.SQL(queries["pgbench_reserve_script"]).format(
-        tenant=sql.Literal(int(tenant)), key_prefix=sql.Literal(KEY_PREFIX),
+        schema=sql.Identifier(schemas.resolve()), tenant=sql.Literal(int(tenant)),
+        key_prefix=sql.Literal(KEY_PREFIX),
         skus=sql.Literal("{" + SKU + "}"), locations=sql.Literal("{" + LOCATION + "}"),
         quantities=sql.Literal("{1}")).as_string(None)
     return text + ";\n"

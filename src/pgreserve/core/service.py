@@ -20,6 +20,7 @@ from time import perf_counter
 from typing import Any, LiteralString, Protocol, cast
 
 import psycopg
+from psycopg import sql as sql_
 
 from .. import apikeys, webhook_targets
 from .. import validation as check
@@ -148,6 +149,7 @@ class ReservationService:
         self._bucket_ids: OrderedDict[tuple[int, str, str], int] = OrderedDict()
         # The bucket of the one-line reservations this process created (most recent).
         self._reservation_buckets: OrderedDict[tuple[int, uuid.UUID], int] = OrderedDict()
+        self._qualified: dict[str, LiteralString] = {}
 
     def _observe(self, action: str, outcome: str, started: float) -> None:
         if self.observer is not None:
@@ -299,12 +301,16 @@ class ReservationService:
     # -- reservations --------------------------------------------------------
 
     async def reserve(self, tenant: int, request_key: str, lines: Iterable[Any], *,
-                      ttl: timedelta | float = DEFAULT_TTL) -> ReserveOutcome:
+                      ttl: timedelta | float = DEFAULT_TTL,
+                      conn: psycopg.AsyncConnection[Any] | None = None) -> ReserveOutcome:
         """Hold every line of a cart, or none of them.
 
         The outcome (held or rejected) is stored under the request key: the
         same key with the same cart returns it again without taking stock; the
         same key with another cart raises IdempotencyKeyReused.
+
+        `conn`: run it on this connection, inside its open transaction (see
+        `_call`): the hold commits or rolls back with the caller's own writes.
         """
         tenant = check.tenant_id(tenant)
         key = check.request_key(request_key)
@@ -315,19 +321,18 @@ class ReservationService:
             "ttl_ms": int(life.total_seconds() * 1000),
         })
         started = perf_counter()
-        if self.combiner is not None and len(cart) == 1:
+        if conn is None and self.combiner is not None and len(cart) == 1:
             outcome = await self._reserve_batched(tenant, key, fingerprint, cart[0], life,
                                                   started)
             if outcome is not None:
                 return outcome
         try:
-            doc = await self.db.call(
-                queries["reservation_reserve"],
+            doc = await self._call(
+                queries["reservation_reserve"], queries["reservation_reserve_in"],
                 (tenant, key, fingerprint, lit.text_array(x.sku for x in cart),
                  lit.text_array(x.location for x in cart),
                  lit.int_array(x.quantity for x in cart), lit.interval(life), self.clock()),
-                op=OPS["reserve"],
-            )
+                OPS["reserve"], conn)
         except Exception as exc:
             self._observe("reserve", _failure(exc), started)
             raise
@@ -337,29 +342,39 @@ class ReservationService:
         return outcome
 
     async def claim(self, tenant: int, reservation_id: str | uuid.UUID, *,
-                    request_key: str | None = None) -> Reservation:
-        """Payment succeeded: deduct the held units for good. Repeating it changes nothing."""
-        if self.combiner is not None:
+                    request_key: str | None = None,
+                    conn: psycopg.AsyncConnection[Any] | None = None) -> Reservation:
+        """Payment succeeded: deduct the held units for good. Repeating it changes nothing.
+
+        `conn`: run it on this connection, inside its open transaction (see `_call`)."""
+        if conn is None and self.combiner is not None:
             done = await self._transition_batched("claim", tenant, reservation_id, request_key)
             if done is not None:
                 return done
         if request_key is not None:
-            return await self._keyed(tenant, request_key, "claim", reservation_id, None)
-        return await self._transition(queries["reservation_claim"], "claim", tenant,
-                                      reservation_id)
+            return await self._keyed(tenant, request_key, "claim", reservation_id, None,
+                                     conn=conn)
+        return await self._transition(queries["reservation_claim"],
+                                      queries["reservation_claim_in"], "claim", tenant,
+                                      reservation_id, conn)
 
     async def release(self, tenant: int, reservation_id: str | uuid.UUID, *,
-                      request_key: str | None = None) -> Reservation:
-        """Payment failed: give the units back, once. Repeating it changes nothing."""
-        if self.combiner is not None:
+                      request_key: str | None = None,
+                      conn: psycopg.AsyncConnection[Any] | None = None) -> Reservation:
+        """Payment failed: give the units back, once. Repeating it changes nothing.
+
+        `conn`: run it on this connection, inside its open transaction (see `_call`)."""
+        if conn is None and self.combiner is not None:
             done = await self._transition_batched("release", tenant, reservation_id,
                                                   request_key)
             if done is not None:
                 return done
         if request_key is not None:
-            return await self._keyed(tenant, request_key, "release", reservation_id, None)
-        return await self._transition(queries["reservation_release"], "release", tenant,
-                                      reservation_id)
+            return await self._keyed(tenant, request_key, "release", reservation_id, None,
+                                     conn=conn)
+        return await self._transition(queries["reservation_release"],
+                                      queries["reservation_release_in"], "release", tenant,
+                                      reservation_id, conn)
 
     async def extend(self, tenant: int, reservation_id: str | uuid.UUID,
                      ttl: timedelta | float, *, request_key: str | None = None,
@@ -391,7 +406,8 @@ class ReservationService:
 
     async def _keyed(self, tenant: int, request_key: str, operation: str,
                      reservation_id: str | uuid.UUID, ttl: timedelta | float | None,
-                     shorten: bool = False) -> Reservation:
+                     shorten: bool = False, *,
+                     conn: psycopg.AsyncConnection[Any] | None = None) -> Reservation:
         tenant = check.tenant_id(tenant)
         key = check.request_key(request_key)
         rid = _reservation_id(reservation_id)
@@ -403,12 +419,12 @@ class ReservationService:
             params["shorten"] = True
         started = perf_counter()
         try:
-            doc = await self.db.call(
+            doc = await self._call(
                 queries["reservation_transition_keyed"],
+                queries["reservation_transition_keyed_in"],
                 (tenant, key, operation, digest(operation, params), rid, life, shorten,
                  self.clock()),
-                op=OPS[operation],
-            )
+                OPS[operation], conn)
         except Exception as exc:
             self._observe(operation, _failure(exc), started)
             raise
@@ -644,13 +660,36 @@ class ReservationService:
         )
         return [Violation(int(r[0]), r[1], r[2], r[3], r[4]) for r in rows]
 
-    async def _transition(self, sql: LiteralString, action: str, tenant: int,
-                          reservation_id: str | uuid.UUID) -> Reservation:
+    async def _call(self, sql: LiteralString, sql_in: LiteralString, params: tuple[Any, ...],
+                    op: Op, conn: psycopg.AsyncConnection[Any] | None) -> Any:
+        """`sql` in a transaction of its own, or, with `conn`, on the caller's
+        connection inside its open transaction: `sql_in`, the same call with its
+        function named with the schema ({}), run under a savepoint. There nothing
+        is committed, retried or batched, and a refusal (typed as usual) leaves
+        the caller's transaction as it was."""
+        if conn is None:
+            return await self.db.call(sql, params, op=op)
+        return await self.db.call_on(conn, self._in_schema(sql_in), params, op=op)
+
+    def _in_schema(self, sql: LiteralString) -> LiteralString:
+        text = self._qualified.get(sql)
+        if text is None:
+            composed = sql_.SQL(sql).format(sql_.Identifier(self.db.schema))
+            # The schema name is checked (db/schema.py), the rest is the block's text.
+            # mypy reads LiteralString as str; the cast is for checkers that enforce it
+            text = cast(LiteralString, composed.as_string(None))  # type: ignore[redundant-cast]
+            self._qualified[sql] = text
+        return text
+
+    async def _transition(self, sql: LiteralString, sql_in: LiteralString, action: str,
+                          tenant: int,
+                          reservation_id: str | uuid.UUID,
+                          conn: psycopg.AsyncConnection[Any] | None = None) -> Reservation:
         tenant = check.tenant_id(tenant)
         rid = _reservation_id(reservation_id)
         started = perf_counter()
         try:
-            doc = await self.db.call(sql, (tenant, rid, self.clock()), op=OPS[action])
+            doc = await self._call(sql, sql_in, (tenant, rid, self.clock()), OPS[action], conn)
         except Exception as exc:
             self._observe(action, _failure(exc), started)
             raise

@@ -22,6 +22,7 @@ from psycopg.adapt import Transformer
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from .. import errors
+from . import schema as schemas
 from .queries import queries
 
 log = logging.getLogger(__name__)
@@ -154,18 +155,26 @@ class Database:
                  settings: TxSettings | None = None,
                  prepare_threshold: int | None = 5,
                  role_pools: bool = False, role_max_size: int | None = None,
-                 observer: Observer | None = None) -> None:
+                 observer: Observer | None = None, schema: str | None = None) -> None:
         """`role_pools`: run each tagged statement on the pool of its Op's role
         (application_name `pgreserve:<role>`, opened on first use, min_size 0);
-        untagged statements use the main pool named `application_name`."""
+        untagged statements use the main pool named `application_name`.
+        `schema`: where pgreserve's tables and functions are (default
+        PGRESERVE_SCHEMA, else `pgreserve`); every transaction sets its
+        search_path to it, in the message that begins it."""
         self.conninfo = conninfo
+        self.schema = schemas.resolve(schema)
         self.settings = settings or TxSettings()
         self.stats = Stats()
         self.observer = observer
         self._statements: dict[str, _Statement] = {}
+        where = sql_.Identifier(self.schema)
         begin = sql_.SQL(queries["transaction_begin"]).format(
-            sql_.Literal(f"{int(self.settings.lock_timeout_ms)}ms"),
+            where, sql_.Literal(f"{int(self.settings.lock_timeout_ms)}ms"),
             sql_.Literal(_TIMEOUT_MARK)).as_bytes(None)
+        self._begin_read = sql_.SQL(queries["transaction_begin_read"]).format(
+            where).as_bytes(None) + b"; "
+        self._commit = b"; " + queries["transaction_commit"].encode()
         # Under a deadline the statement_timeout literal is the time left (in ms).
         head, _, tail = begin.partition(b"'" + _TIMEOUT_MARK.encode() + b"'")
         self._begin_parts = (head, tail)
@@ -419,11 +428,14 @@ class Database:
     async def fetch(self, sql: LiteralString,
                     params: Sequence[Any] | Mapping[str, Any] = (), *,
                     op: Op | None = None) -> list[tuple[Any, ...]]:
-        """Run a read-only query (autocommit) and return all rows.
+        """Run a query in a transaction of its own and return all rows.
 
-        The wait for a connection is bounded as in `call`; a lost connection is
-        retried within the deadline, then DatabaseUnavailable (a read changes
-        nothing); lock and statement timeouts are Busy."""
+        Like `call`, one message: BEGIN with the schema's search_path, the query
+        (values bound on the client) and COMMIT; the server's own isolation and
+        limits apply, as they do to an autocommit statement. The wait for a
+        connection is bounded as in `call`; a lost connection is retried within
+        the deadline, then DatabaseUnavailable (a read changes nothing); lock
+        and statement timeouts are Busy."""
         s = self.settings
         end = _deadline.get()
         attempt = 0
@@ -434,8 +446,7 @@ class Database:
                 wait = self._pool_wait(end)
                 pool = await self._pool_for(op)
                 async with pool.connection(timeout=wait) as conn:
-                    cur = await conn.execute(tagged(sql, op), params)
-                    return await cur.fetchall()
+                    return await self._read(conn, tagged(sql, op), params)
             except _Late:
                 raise self._gave_up(op, False, "the request deadline passed") from None
             except PoolTimeout as exc:
@@ -455,6 +466,58 @@ class Database:
                         f"the database connection failed during a read ({exc}); "
                         "nothing was changed, retry later") from exc
                 await asyncio.sleep(delay)
+
+    async def _read(self, conn: psycopg.AsyncConnection[Any], sql: LiteralString,
+                    params: Sequence[Any] | Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        text = psycopg.AsyncClientCursor(conn).mogrify(sql, params).encode(
+            conn.info.encoding)
+        pgconn = conn.pgconn
+        try:
+            pgconn.send_query(self._begin_read + text + self._commit)
+            results = await conn.wait(generators.execute(pgconn))
+        except BaseException:
+            await _roll_back(conn)
+            raise
+        rows: list[tuple[Any, ...]] = []
+        for res in results:
+            if res.status == _FATAL_ERROR:
+                await _roll_back(conn)
+                raise psycopg.errors.error_from_result(res, encoding=conn.info.encoding)
+            if res.status == _TUPLES_OK and not rows:
+                adapt = Transformer(conn)
+                adapt.set_pgresult(res)
+                rows = adapt.load_rows(0, res.ntuples, tuple)
+        return rows
+
+    async def call_on(self, conn: psycopg.AsyncConnection[Any], sql: LiteralString,
+                      params: Sequence[Any] = (), *, op: Op | None = None) -> Any:
+        """Run one statement on the caller's connection, inside the caller's open
+        transaction, and return the first column of the first row.
+
+        Nothing is committed, retried or rolled back beyond the statement itself:
+        it runs under a savepoint, so a refusal (a typed PgReserveError) or any
+        other error leaves the caller's transaction as it was before the call,
+        still open. The statement must name pgreserve's objects with their schema
+        (the caller's search_path is not touched)."""
+        status = conn.info.transaction_status
+        if status == pq.TransactionStatus.INERROR:
+            raise errors.InvalidRequest(
+                "conn= needs the caller's transaction usable, and it has already failed: "
+                "roll it back (or back to a savepoint) first")
+        if status != pq.TransactionStatus.INTRANS:
+            raise errors.InvalidRequest(
+                "conn= runs the operation inside the caller's open transaction: start "
+                "one first (async with conn.transaction(): ...), then pass the connection")
+        try:
+            async with conn.transaction():
+                cur = await conn.execute(tagged(sql, op), params, prepare=False)
+                row = await cur.fetchone()
+        except psycopg.errors.Error as exc:
+            state = exc.sqlstate or ""
+            if state in _SQLSTATE_ERRORS:
+                raise _typed(exc, state) from None
+            raise
+        return None if row is None else row[0]
 
 
 class _Late(Exception):

@@ -7,6 +7,11 @@ recorded). Every function and trigger is defined once, in
 runner re-applies each function file whose checksum differs from the one it
 recorded. Both steps run in one transaction under one advisory lock, so a
 second runner waits and then finds nothing to do.
+
+Everything is created in pgreserve's own schema (db/schema.py): the runner
+creates it and sets the transaction's search_path to it. An installation made
+before pgreserve had a schema of its own (its tables in `public`) is moved into
+the schema first, data and all.
 """
 
 from __future__ import annotations
@@ -15,10 +20,13 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 from importlib import resources
+from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from ..errors import MigrationError
+from . import schema as schemas
 from .queries import queries
 
 # Any constant works: all runners of one database take the same lock.
@@ -90,21 +98,29 @@ def function_files() -> list[FunctionFile]:
     return found
 
 
-def migrate(conninfo: str, *, target: int | None = None) -> list[Migration]:
-    """Apply pending migrations (up to `target`) and changed function files;
-    return the migrations applied."""
-    return migrate_all(conninfo, target=target).migrations
+def migrate(conninfo: str, *, target: int | None = None,
+            schema: str | None = None) -> list[Migration]:
+    """Apply pending migrations (up to `target`) and changed function files in
+    `schema` (default PGRESERVE_SCHEMA, else `pgreserve`); return the
+    migrations applied."""
+    return migrate_all(conninfo, target=target, schema=schema).migrations
 
 
-def migrate_all(conninfo: str, *, target: int | None = None) -> Applied:
+def migrate_all(conninfo: str, *, target: int | None = None,
+                schema: str | None = None) -> Applied:
     """Apply pending migrations (up to `target`, default all), then every
-    function file whose checksum changed, in one transaction."""
+    function file whose checksum changed, in one transaction, in `schema`."""
+    where = schemas.resolve(schema)
     files = available()
     if target is not None:
         files = [m for m in files if m.version <= target]
     done = Applied()
     with psycopg.connect(conninfo, autocommit=True) as conn, conn.transaction():
         conn.execute(queries["schema_lock"], (_LOCK_KEY,))
+        conn.execute(sql.SQL(queries["schema_create"]).format(sql.Identifier(where)))
+        conn.execute(sql.SQL(queries["schema_search_path"]).format(sql.Identifier(where)))
+        if where != "public":
+            _adopt_public(conn, where)
         conn.execute(queries["schema_migration_table_create"])
         conn.execute(queries["schema_function_file_table_create"])
         applied = {
@@ -137,6 +153,19 @@ def migrate_all(conninfo: str, *, target: int | None = None) -> Applied:
     return done
 
 
+def _adopt_public(conn: psycopg.Connection[Any], where: str) -> None:
+    """Move an installation made in `public` (before pgreserve had a schema of its
+    own) into `where`, when `where` has none yet."""
+    row = conn.execute(queries["schema_public_install_exists"], (where,)).fetchone()
+    if not row or not row[0]:
+        return
+    legacy = {int(r[0]): (str(r[1]), str(r[2]))
+              for r in conn.execute(queries["schema_public_migration_list"]).fetchall()}
+    _check_applied(legacy, {m.version: m for m in available()})
+    conn.execute(queries["schema_adopt_public"])
+    conn.execute(queries["schema_function_file_forget"])
+
+
 def _check_applied(applied: dict[int, tuple[str, str]], by_version: dict[int, Migration]) -> None:
     if applied.get(1, ("",))[0] == _LEGACY_FIRST:
         raise MigrationError(
@@ -158,8 +187,11 @@ def _check_applied(applied: dict[int, tuple[str, str]], by_version: dict[int, Mi
             )
 
 
-def applied_versions(conninfo: str) -> list[tuple[int, str, str]]:
-    with psycopg.connect(conninfo) as conn:
+def applied_versions(conninfo: str, *,
+                     schema: str | None = None) -> list[tuple[int, str, str]]:
+    """The migrations applied in `schema` (default as `migrate`): version, name, checksum."""
+    with psycopg.connect(conninfo, autocommit=True) as conn, \
+            schemas.transaction(conn, schemas.resolve(schema)):
         exists = conn.execute(queries["schema_migration_table_exists"]).fetchone()
         if not exists or exists[0] is None:
             return []

@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import Depends, FastAPI
 
 from ..core.service import Clock, ReservationService
+from ..db import schema as schemas
 from ..db.database import Database
 from ..ops import web
 from ..ops.pgbouncer import PgBouncerMonitor
@@ -54,12 +55,14 @@ class OwnedPool:
     min_size: int
     application_name: str
     prepare_threshold: int | None
+    schema: str | None = None
 
     def database(self, metrics: ApiMetrics) -> Database:
         # One pool per business process: application_name pgreserve:<role>.
         return Database(self.dsn, min_size=min(self.min_size, self.size), max_size=self.size,
                         application_name=self.application_name, role_pools=True,
-                        observer=metrics.db_event, prepare_threshold=self.prepare_threshold)
+                        observer=metrics.db_event, prepare_threshold=self.prepare_threshold,
+                        schema=self.schema)
 
 
 # How often an API process copies its client pools' statistics into its
@@ -82,7 +85,8 @@ async def _background(app: FastAPI, conninfo: str) -> AsyncIterator[None]:
     stop = asyncio.Event()
     copier = asyncio.create_task(_copy_pool_stats(app, stop))
     try:
-        async with web.monitors(app, conninfo, state.metrics, enabled=state.monitor):
+        async with web.monitors(app, conninfo, state.metrics, enabled=state.monitor,
+                                schema=state.service.db.schema):
             yield
     finally:
         stop.set()
@@ -146,7 +150,8 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
                pgbouncer_admin_url: str | None = None,
                request_log: RequestLog | None = None,
                allow_private_webhooks: bool | None = None,
-               legacy_redis_url: str | None = None, rollout: Rollout | None = None) -> FastAPI:
+               legacy_redis_url: str | None = None, rollout: Rollout | None = None,
+               schema: str | None = None) -> FastAPI:
     """The API over one database: pass a DSN (the app owns its pool) or an open Database.
 
     `clock` replaces the database clock (tests move time by hand). `monitor`
@@ -167,7 +172,8 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     addresses (default: PGRESERVE_WEBHOOK_ALLOW_PRIVATE).
     `legacy_redis_url` (an owned pool or an open Database) or `rollout`: reserve,
     claim and release go through the rollout layer beside the legacy Redis store
-    (rollout/).
+    (rollout/). `schema`: where pgreserve's tables are, for the pool the app owns
+    (default PGRESERVE_SCHEMA, else pgreserve; an open Database brings its own).
     """
     check_deadline(request_deadline_s)
     limit = TenantLimit(tenant_max_in_flight)
@@ -215,7 +221,7 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     else:
         assert dsn is not None
         state.owned_pool = OwnedPool(dsn, pool_size, pool_min_size, application_name,
-                                     prepare_threshold)
+                                     prepare_threshold, schemas.resolve(schema))
         state.service = None
     app.add_middleware(Admission, deadline_s=request_deadline_s, limit=limit)
     app.add_middleware(ObserveRequests, metrics=metrics, log=request_log)

@@ -51,7 +51,8 @@ async def ops_lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.service = ReservationService(database)
     try:
         db = state.service.db
-        async with web.monitors(app, db.conninfo, state.metrics, enabled=state.ops_monitor):
+        async with web.monitors(app, db.conninfo, state.metrics, enabled=state.ops_monitor,
+                                schema=db.schema):
             ring = RecentFigures(state.metrics, state, db, state.ops_ring_config)
             state.ring = ring
             stop = asyncio.Event()

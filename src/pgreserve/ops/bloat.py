@@ -18,6 +18,7 @@ from typing import Any
 
 import psycopg
 
+from ..db import schema as schemas
 from ..db.database import Op, tagged
 from ..db.queries import queries
 from ..workers.base import LoopConfig
@@ -92,8 +93,9 @@ class BloatMonitor:
     name = "bloat"
 
     def __init__(self, dsn: str, config: BloatConfig | None = None,
-                 metrics: Any | None = None) -> None:
+                 metrics: Any | None = None, schema: str | None = None) -> None:
         self.dsn = dsn
+        self.schema = schemas.resolve(schema)
         self.config = config or BloatConfig()
         self.loop_config = self.config.loop
         self.metrics = metrics
@@ -124,7 +126,7 @@ class BloatMonitor:
         """Read every pool partition once and update the warning states."""
         conn = await self._connection()
         rows = await (await conn.execute(
-            tagged(queries["pool_partition_stat_list"], PARTITIONS))).fetchall()
+            tagged(queries["pool_partition_stat_list"], PARTITIONS), (self.schema,))).fetchall()
         xid_row = await (await conn.execute(
             tagged(queries["database_xid_age"], XID_AGE))).fetchone()
         stattuple = await self._has_pgstattuple(conn) if rows else False

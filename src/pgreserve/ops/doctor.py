@@ -12,6 +12,7 @@ from typing import Any, LiteralString
 import psycopg
 from psycopg import sql
 
+from ..db import schema as schemas
 from ..db.queries import queries
 from .pgbouncer import read_pgbouncer
 
@@ -47,9 +48,12 @@ def _ms(setting: str, unit: str | None) -> float:
 
 def diagnose(dsn: str, *, pool_size: int = 10, processes: int = 1,
              extra_connections: int = 10,
-             pgbouncer_admin_url: str | None = None) -> list[Finding]:
+             pgbouncer_admin_url: str | None = None,
+             schema: str | None = None) -> list[Finding]:
     """Run every check against the database of `dsn` (and PgBouncer's admin console
-    when `pgbouncer_admin_url` is given)."""
+    when `pgbouncer_admin_url` is given), for the installation in `schema` (default
+    PGRESERVE_SCHEMA, else pgreserve)."""
+    where = schemas.resolve(schema)
     out: list[Finding] = []
     if pgbouncer_admin_url:
         out.extend(diagnose_pgbouncer(pgbouncer_admin_url))
@@ -115,7 +119,7 @@ def diagnose(dsn: str, *, pool_size: int = 10, processes: int = 1,
             "autovacuum", "ok" if v and v[0] == "on" else "fail", v[0] if v else "?", "on",
             _fix(queries["autovacuum_fix"])))
 
-        rows = conn.execute(queries["pool_partition_option_list"]).fetchall()
+        rows = conn.execute(queries["pool_partition_option_list"], (where,)).fetchall()
         if not rows:
             out.append(Finding("stock_unit partitions", "fail", "no stock_unit partitions",
                                "stock_unit_p0..p15 with autovacuum settings",

@@ -18,6 +18,7 @@ from typing import Any
 
 import psycopg
 
+from ..db import schema as schemas
 from ..db.database import Op, tagged
 from ..db.queries import queries
 
@@ -70,20 +71,23 @@ class Reconciliation:
 
 
 def reconcile(dsn: str, *, tenant: int | None = None, grace_s: float = 60.0,
-              repair: bool = False, freeze: bool = False) -> Reconciliation:
+              repair: bool = False, freeze: bool = False,
+              schema: str | None = None) -> Reconciliation:
     """Check every bucket (of one tenant, or all); with repair, fix what is safe, re-check;
-    with freeze, freeze every bucket that still has a drift."""
-    result = _check(dsn, tenant, grace_s)
+    with freeze, freeze every bucket that still has a drift. `schema`: the
+    installation's (default PGRESERVE_SCHEMA, else pgreserve)."""
+    where = schemas.resolve(schema)
+    result = _check(dsn, tenant, grace_s, where)
     if repair and any(d.repairable for d in result.drifts):
-        done = _repair(dsn, result)
-        result = _check(dsn, tenant, grace_s)
+        done = _repair(dsn, result, where)
+        result = _check(dsn, tenant, grace_s, where)
         result.repaired = done
     if freeze:
-        result.frozen = _freeze(dsn, result)
+        result.frozen = _freeze(dsn, result, where)
     return result
 
 
-def _freeze(dsn: str, found: Reconciliation) -> list[dict[str, Any]]:
+def _freeze(dsn: str, found: Reconciliation, where: str) -> list[dict[str, Any]]:
     """Freeze each drifted bucket once (its drift kinds as the reason); return the freezes."""
     kinds: dict[tuple[int, int], list[Drift]] = {}
     for d in found.drifts:
@@ -94,8 +98,9 @@ def _freeze(dsn: str, found: Reconciliation) -> list[dict[str, Any]]:
         for (tenant, bucket), drifts in sorted(kinds.items()):
             reason = ("reconcile found drift: "
                       + "; ".join(f"{d.kind}: {d.detail}" for d in drifts))[:1000]
-            row = conn.execute(tagged(queries["freeze_set"], FREEZE),
-                               (tenant, bucket, reason, FROZEN_BY)).fetchone()
+            with schemas.transaction(conn, where):
+                row = conn.execute(tagged(queries["freeze_set"], FREEZE),
+                                   (tenant, bucket, reason, FROZEN_BY)).fetchone()
             if row is None:  # freeze_set_v1 always returns its document
                 raise RuntimeError("freeze_set_v1 returned no row")
             doc: dict[str, Any] = row[0]
@@ -105,12 +110,13 @@ def _freeze(dsn: str, found: Reconciliation) -> list[dict[str, Any]]:
     return frozen
 
 
-def _check(dsn: str, tenant: int | None, grace_s: float) -> Reconciliation:
+def _check(dsn: str, tenant: int | None, grace_s: float, where: str) -> Reconciliation:
     params = {"tenant": tenant, "grace": grace_s}
     out = Reconciliation()
     with psycopg.connect(dsn, autocommit=True, application_name="pgreserve:reconcile") as conn:
         # One snapshot for every figure.
         conn.execute(queries["transaction_begin_snapshot"])
+        conn.execute(schemas.search_path(where))
         out.books = [BucketBook(int(r[0]), int(r[1]), str(r[2]), str(r[3]), str(r[4]),
                                 *(int(x) for x in r[5:]))
                      for r in conn.execute(queries["bucket_book_list"], params).fetchall()]
@@ -157,14 +163,16 @@ def _check(dsn: str, tenant: int | None, grace_s: float) -> Reconciliation:
     return out
 
 
-def _repair(dsn: str, found: Reconciliation) -> list[str]:
+def _repair(dsn: str, found: Reconciliation, where: str) -> list[str]:
     """Expire overdue reservations through expire_due_v1, the sweeper's own function."""
     done: list[str] = []
     overdue = sum(1 for d in found.drifts if d.kind == "expired_but_active")
     with psycopg.connect(dsn, autocommit=True, application_name="pgreserve:reconcile") as conn:
         total = 0
         for _ in range(max(1, overdue // 500 + 2)):  # bounded: one batch more than needed
-            row = conn.execute(tagged(queries["reservation_expire_overdue"], REPAIR)).fetchone()
+            with schemas.transaction(conn, where):
+                row = conn.execute(tagged(queries["reservation_expire_overdue"],
+                                          REPAIR)).fetchone()
             n = int(row[0]) if row else 0
             total += n
             if n < 500:

@@ -21,13 +21,15 @@ log = logging.getLogger(__name__)
 
 
 @asynccontextmanager
-async def monitors(app: Any, dsn: str, ops: OpsMetrics, *, enabled: bool) -> AsyncIterator[None]:
-    """Run the hold-time sampler and the bloat monitor beside the app (when enabled)."""
+async def monitors(app: Any, dsn: str, ops: OpsMetrics, *, enabled: bool,
+                   schema: str | None = None) -> AsyncIterator[None]:
+    """Run the hold-time sampler and the bloat monitor (of the installation in
+    `schema`) beside the app (when enabled)."""
     if not enabled:
         yield
         return
     sampler = HoldTimeSampler(dsn, metrics=ops)
-    bloat = BloatMonitor(dsn, metrics=ops)
+    bloat = BloatMonitor(dsn, metrics=ops, schema=schema)
     app.state.sampler, app.state.bloat = sampler, bloat
     stop = asyncio.Event()
     tasks = [asyncio.create_task(run_forever(w, stop)) for w in (sampler, bloat)]
@@ -65,7 +67,7 @@ async def snapshot(app: Any, service: ReservationService, ops: OpsMetrics) -> di
         finally:
             await sampler.close()
     if bloat is None or not bloat.report.partitions:
-        bloat = BloatMonitor(db.conninfo)
+        bloat = BloatMonitor(db.conninfo, schema=db.schema)
         try:
             await bloat.check()
         finally:

@@ -16,6 +16,7 @@ from ..config import database_url
 from ..core.service import ReservationService
 from ..db import migrate as migrations
 from ..db.database import Database
+from ..schema_cli import schema_option
 from . import report as reports
 from .modes import Mode, set_mode
 
@@ -25,6 +26,7 @@ T = TypeVar("T")
 def _db_options(f: Any) -> Any:
     f = click.option("--data-dir", envvar="PGRESERVE_DATA_DIR", default=None,
                      help="Data directory of the embedded server (default ./.pgreserve/data).")(f)
+    f = schema_option(f)
     return click.option("--database-url", envvar="PGRESERVE_DATABASE_URL", default=None,
                         help="PostgreSQL >= 15 URL; default: the embedded server.")(f)
 

@@ -53,12 +53,16 @@ RETURNS jsonb LANGUAGE sql STABLE AS $$
     WHERE r.tenant_id = p_tenant AND r.reservation_id = p_id
 $$;
 
+-- reserve_v1, claim_v1, release_v1 and transition_keyed_v1 may run in a caller's own
+-- transaction (ReservationService(..., conn=)), whatever its search_path:
+-- `SET search_path FROM CURRENT` records pgreserve's schema, as the runner sets it.
 CREATE OR REPLACE FUNCTION reserve_v1(p_tenant bigint, p_key text, p_digest text,
                            p_skus text[], p_locations text[], p_quantities integer[],
                            p_ttl interval, p_now timestamptz DEFAULT NULL)
 RETURNS jsonb LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
 SET enable_seqscan = off
+SET search_path FROM CURRENT
 AS $$
 DECLARE
     v_now timestamptz := coalesce(p_now, clock_timestamp());
@@ -315,6 +319,7 @@ CREATE OR REPLACE FUNCTION claim_v1(p_tenant bigint, p_id uuid, p_now timestampt
 RETURNS jsonb LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
 SET enable_seqscan = off
+SET search_path FROM CURRENT
 AS $$
 DECLARE
     v_now timestamptz := coalesce(p_now, clock_timestamp());
@@ -399,6 +404,7 @@ CREATE OR REPLACE FUNCTION release_v1(p_tenant bigint, p_id uuid, p_now timestam
 RETURNS jsonb LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
 SET enable_seqscan = off
+SET search_path FROM CURRENT
 AS $$
 DECLARE
     v_now timestamptz := coalesce(p_now, clock_timestamp());
@@ -538,6 +544,7 @@ CREATE OR REPLACE FUNCTION transition_keyed_v2(p_tenant bigint, p_key text, p_op
 RETURNS jsonb LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
 SET enable_seqscan = off
+SET search_path FROM CURRENT
 AS $$
 DECLARE
     v_replay jsonb;

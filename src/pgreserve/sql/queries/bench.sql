@@ -13,14 +13,15 @@ SELECT count(*) FROM pg_stat_activity WHERE application_name = %s
  AND datname = current_database();
 
 -- name: pool_partition_tuple_totals
+-- The pool partitions of the installation in schema %s.
 SELECT coalesce(sum(n_dead_tup), 0), coalesce(sum(n_live_tup), 0),
  coalesce(sum(n_tup_del), 0),
  coalesce(sum(vacuum_count + autovacuum_count), 0)
- FROM pg_stat_user_tables WHERE relname LIKE 'stock\_unit\_p%';
+ FROM pg_stat_user_tables WHERE schemaname = %s AND relname LIKE 'stock\_unit\_p%%';
 
 -- name: pool_partition_dead_tuples
 SELECT coalesce(sum(n_dead_tup), 0) FROM pg_stat_user_tables
- WHERE relname LIKE 'stock\_unit\_p%';
+ WHERE schemaname = %s AND relname LIKE 'stock\_unit\_p%%';
 
 -- name: database_transaction_stats
 SELECT deadlocks, xact_commit, xact_rollback FROM pg_stat_database
@@ -49,9 +50,9 @@ SELECT count(*) FILTER (WHERE status = 'succeeded'),
 -- name: pgbench_reserve_script
 -- One reserve of one unit of the hot SKU under a random key (2^63 values: never
 -- reused). `\set` and `:name` are pgbench's; `{name}` slots are psycopg.sql
--- literals filled in bench/server.py.
+-- literals filled in bench/server.py ({schema}: reserve_v1 carries its search_path).
 \set r random(1, 9000000000000000000)
-SELECT reserve_v1({tenant}, {key_prefix} || :client_id || '-' || :r, 'pgbench', {skus}::text[], {locations}::text[], {quantities}::integer[], '15 minutes'::interval);
+SELECT {schema}.reserve_v1({tenant}, {key_prefix} || :client_id || '-' || :r, 'pgbench', {skus}::text[], {locations}::text[], {quantities}::integer[], '15 minutes'::interval);
 
 -- name: server_usage_read
 -- This session's backend pid (its parent is the postmaster), the WAL position in

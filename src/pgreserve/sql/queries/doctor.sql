@@ -9,9 +9,10 @@ SELECT setting, unit FROM pg_settings WHERE name = %s;
 SELECT current_user;
 
 -- name: pool_partition_option_list
+-- The partitions of stock_unit in schema %s.
 SELECT c.relname, coalesce(array_to_string(c.reloptions, ','), '')
  FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
- WHERE i.inhparent = to_regclass('stock_unit') ORDER BY c.relname;
+ WHERE i.inhparent = to_regclass(quote_ident(%s) || '.stock_unit') ORDER BY c.relname;
 
 -- name: pg_stat_statements_exists
 SELECT 1 FROM pg_extension WHERE extname = 'pg_stat_statements';

@@ -41,14 +41,14 @@ WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()
   AND (%(all)s OR datname = current_database());
 
 -- name: pool_partition_stat_list
--- Live and dead tuples and the vacuum history of each stock_unit partition.
+-- Live and dead tuples and the vacuum history of each stock_unit partition (schema %s).
 SELECT c.relname, coalesce(s.n_live_tup, 0), coalesce(s.n_dead_tup, 0),
        s.last_autovacuum, s.last_vacuum, coalesce(s.autovacuum_count, 0),
        coalesce(s.vacuum_count, 0), c.oid::bigint
 FROM pg_inherits i
 JOIN pg_class c ON c.oid = i.inhrelid
 LEFT JOIN pg_stat_all_tables s ON s.relid = c.oid
-WHERE i.inhparent = to_regclass('stock_unit')
+WHERE i.inhparent = to_regclass(quote_ident(%s) || '.stock_unit')
 ORDER BY length(c.relname), c.relname;
 
 -- name: database_xid_age

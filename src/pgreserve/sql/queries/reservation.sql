@@ -17,6 +17,21 @@ SELECT extend_v2(%s, %s, %s, %s, %s);
 -- claim, release or extend under a request key: the first answer is stored and replayed.
 SELECT transition_keyed_v2(%s, %s, %s, %s, %s, %s, %s, %s);
 
+-- name: reservation_reserve_in
+-- The same four calls on a caller's connection: each function named with its schema,
+-- so the caller's search_path is never touched.
+SELECT {}.reserve_v1(%s, %s, %s, %s::text[], %s::text[], %s::integer[],
+ %s::interval, %s);
+
+-- name: reservation_claim_in
+SELECT {}.claim_v1(%s, %s, %s);
+
+-- name: reservation_release_in
+SELECT {}.release_v1(%s, %s, %s);
+
+-- name: reservation_transition_keyed_in
+SELECT {}.transition_keyed_v2(%s, %s, %s, %s, %s, %s, %s, %s);
+
 -- name: reservation_view
 SELECT reservation_view_v1(%s, %s, coalesce(%s, clock_timestamp()));
 

@@ -1,0 +1,24 @@
+"""`--schema`, the option of every command that takes a database (db/schema.py)."""
+
+from __future__ import annotations
+
+import click
+
+from .db.schema import DEFAULT_SCHEMA, ENV, use
+from .errors import InvalidRequest
+
+
+def _use_option(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        try:
+            use(value)
+        except InvalidRequest as exc:
+            raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+
+
+# `--schema` beside `--database-url`: it sets PGRESERVE_SCHEMA for the command, so
+# every pool, worker, monitor and child process the command starts uses it.
+schema_option = click.option(
+    "--schema", envvar=ENV, default=None, show_envvar=True, expose_value=False,
+    is_eager=True, callback=_use_option,
+    help=f"PostgreSQL schema of pgreserve's tables and functions (default {DEFAULT_SCHEMA}).")

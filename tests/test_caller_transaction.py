@@ -1,0 +1,165 @@
+"""reserve, claim and release with conn=: on the caller's connection, inside the caller's
+open transaction, committed or rolled back with the caller's own writes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import psycopg
+import pytest
+import pytest_asyncio
+
+from pgreserve import Database, Line, ReservationService, Status, Tenant
+from pgreserve.db import migrate as migrations
+from pgreserve.db.embedded import EmbeddedServer
+from pgreserve.errors import InvalidRequest, ReservationClaimed, ReservationNotFound
+from test_migrations import _new_database
+
+
+@pytest_asyncio.fixture
+async def shop(plain_dsn: str) -> AsyncIterator[psycopg.AsyncConnection[tuple[object, ...]]]:
+    """The shop's own connection (its session search_path as the server gives it) and its
+    own order table in public."""
+    async with await psycopg.AsyncConnection.connect(plain_dsn, autocommit=True) as conn:
+        await conn.execute("CREATE TABLE public.shop_order (id text PRIMARY KEY, hold uuid)")
+        yield conn
+
+
+async def _orders(conn: psycopg.AsyncConnection[tuple[object, ...]]) -> list[tuple[object, ...]]:
+    cur = await conn.execute("SELECT id FROM public.shop_order ORDER BY id")
+    return await cur.fetchall()
+
+
+async def test_a_commit_makes_the_order_and_the_claim_visible_together(
+        service: ReservationService, tenant: Tenant,
+        shop: psycopg.AsyncConnection[tuple[object, ...]]) -> None:
+    """Reserve and claim inside the shop's transaction: nobody else sees the hold or the
+    sale before the shop commits; after it, the order row and the sale are both there."""
+    await service.set_stock(tenant.id, "sku-1", "wh", 5)
+    async with shop.transaction():
+        held = await service.reserve(tenant.id, "order-1", [Line("sku-1", "wh", 2)], conn=shop)
+        assert held.reservation is not None
+        rid = held.reservation.id
+        await shop.execute("INSERT INTO public.shop_order VALUES ('order-1', %s)", (rid,))
+        sold = await service.claim(tenant.id, rid, conn=shop)
+        assert sold.status is Status.CLAIMED
+        assert (await service.get_stock(tenant.id, "sku-1", "wh")).on_hand == 5
+        with pytest.raises(ReservationNotFound):
+            await service.get_reservation(tenant.id, rid)
+    assert await _orders(shop) == [("order-1",)]
+    stock = await service.get_stock(tenant.id, "sku-1", "wh")
+    assert (stock.on_hand, stock.available) == (3, 3)
+    assert (await service.get_reservation(tenant.id, rid)).status is Status.CLAIMED
+
+
+async def test_a_rollback_undoes_the_order_and_the_hold_together(
+        service: ReservationService, tenant: Tenant,
+        shop: psycopg.AsyncConnection[tuple[object, ...]]) -> None:
+    """When the shop's transaction rolls back, neither its order row nor the hold and
+    sale remain: the stock is as before and the request key is free for a new hold."""
+    await service.set_stock(tenant.id, "sku-1", "wh", 5)
+    holds: list[str] = []
+
+    async def checkout() -> None:
+        async with shop.transaction():
+            held = await service.reserve(tenant.id, "order-1", [Line("sku-1", "wh", 5)],
+                                         conn=shop)
+            assert held.reservation is not None
+            holds.append(held.reservation.id)
+            await shop.execute("INSERT INTO public.shop_order VALUES ('order-1', %s)",
+                               (held.reservation.id,))
+            await service.claim(tenant.id, held.reservation.id, conn=shop)
+            raise RuntimeError("payment provider down")
+
+    with pytest.raises(RuntimeError, match="payment provider down"):
+        await checkout()
+    assert await _orders(shop) == []
+    stock = await service.get_stock(tenant.id, "sku-1", "wh")
+    assert (stock.on_hand, stock.available) == (5, 5)
+    with pytest.raises(ReservationNotFound):
+        await service.get_reservation(tenant.id, holds[0])
+    again = await service.reserve(tenant.id, "order-1", [Line("sku-1", "wh", 1)])
+    assert again.held and not again.replayed and again.reservation is not None
+    assert again.reservation.id != holds[0]
+
+
+async def test_the_callers_search_path_is_left_as_it_was(
+        service: ReservationService, tenant: Tenant,
+        shop: psycopg.AsyncConnection[tuple[object, ...]]) -> None:
+    """The caller's session and transaction-local search_path are the same after
+    reserve, claim and release as before, inside the transaction and after it."""
+    await service.set_stock(tenant.id, "sku-1", "wh", 5)
+    await shop.execute("SET search_path TO public")
+
+    async def path() -> object:
+        cur = await shop.execute("SHOW search_path")
+        row = await cur.fetchone()
+        return None if row is None else row[0]
+
+    async with shop.transaction():
+        await shop.execute("SET LOCAL search_path TO pg_catalog, public")
+        held = await service.reserve(tenant.id, "order-1", [Line("sku-1", "wh", 1)], conn=shop)
+        assert held.reservation is not None
+        assert await path() == "pg_catalog, public"
+        await service.claim(tenant.id, held.reservation.id, conn=shop)
+        other = await service.reserve(tenant.id, "order-2", [Line("sku-1", "wh", 1)],
+                                      conn=shop)
+        assert other.reservation is not None
+        await service.release(tenant.id, other.reservation.id, request_key="r-2", conn=shop)
+        assert await path() == "pg_catalog, public"
+    assert await path() == "public"
+
+
+async def test_a_refusal_is_typed_and_keeps_the_callers_transaction_usable(
+        service: ReservationService, tenant: Tenant,
+        shop: psycopg.AsyncConnection[tuple[object, ...]]) -> None:
+    """A refused operation raises its usual typed error and undoes only itself: the
+    shop's transaction goes on and commits its own writes and the earlier claim."""
+    await service.set_stock(tenant.id, "sku-1", "wh", 5)
+    async with shop.transaction():
+        await shop.execute("INSERT INTO public.shop_order VALUES ('order-1', NULL)")
+        with pytest.raises(ReservationNotFound):
+            await service.claim(tenant.id, "0b9a7c52-3c1e-4a4e-9a57-9a0d2f7a1c00", conn=shop)
+        held = await service.reserve(tenant.id, "order-1", [Line("sku-1", "wh", 2)], conn=shop)
+        assert held.reservation is not None
+        await service.claim(tenant.id, held.reservation.id, conn=shop)
+        with pytest.raises(ReservationClaimed):
+            await service.release(tenant.id, held.reservation.id, conn=shop)
+    assert await _orders(shop) == [("order-1",)]
+    assert (await service.get_stock(tenant.id, "sku-1", "wh")).on_hand == 3
+
+
+async def test_a_connection_outside_a_transaction_is_refused(
+        service: ReservationService, tenant: Tenant,
+        shop: psycopg.AsyncConnection[tuple[object, ...]]) -> None:
+    """conn= on a connection with no open transaction is InvalidRequest and writes
+    nothing (pgreserve never commits on the caller's connection)."""
+    await service.set_stock(tenant.id, "sku-1", "wh", 5)
+    with pytest.raises(InvalidRequest, match="open transaction"):
+        await service.reserve(tenant.id, "order-1", [Line("sku-1", "wh", 1)], conn=shop)
+    assert (await service.get_stock(tenant.id, "sku-1", "wh")).available == 5
+    again = await service.reserve(tenant.id, "order-1", [Line("sku-1", "wh", 1)])
+    assert again.held and not again.replayed
+
+
+async def test_the_callers_transaction_works_with_another_schema(
+        pg_server: EmbeddedServer) -> None:
+    """With the installation in schema `other`, reserve and claim on the shop's
+    connection commit with the shop's order row."""
+    dsn = _new_database(pg_server, "caller_other_schema")
+    migrations.migrate(dsn, schema="other")
+    async with Database(dsn, schema="other") as db, \
+            await psycopg.AsyncConnection.connect(dsn, autocommit=True) as shop:
+        service = ReservationService(db)
+        tenant = await service.create_tenant("acme")
+        await service.set_stock(tenant.id, "sku-1", "wh", 4)
+        await shop.execute("CREATE TABLE public.shop_order (id text PRIMARY KEY)")
+        async with shop.transaction():
+            await shop.execute("INSERT INTO public.shop_order VALUES ('order-1')")
+            held = await service.reserve(tenant.id, "order-1", [Line("sku-1", "wh", 3)],
+                                         conn=shop)
+            assert held.reservation is not None
+            await service.claim(tenant.id, held.reservation.id, request_key="c-1", conn=shop)
+        cur = await shop.execute("SELECT on_hand FROM other.stock_bucket")
+        assert await cur.fetchall() == [(1,)]
+        assert await _orders(shop) == [("order-1",)]
