@@ -6,6 +6,7 @@ missing and the command that mends it: by Database.open, the app's startup, a re
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 from collections.abc import Iterator
@@ -210,3 +211,14 @@ def test_reconcile_on_a_half_migrated_database_names_the_command(half_dsn: str) 
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert "0003_freeze" in lines[0] and "pgreserve migrate --database-url" in lines[0]
+
+
+def test_doctor_fails_its_schema_check_on_a_half_migrated_database(half_dsn: str) -> None:
+    """`doctor --json` on a half-migrated database reports the schema check as failed,
+    naming the missing migrations, with the migrate command as its fix (exit 1)."""
+    result = pgr("doctor", "--json", "--database-url", half_dsn, env=clean_env())
+    assert result.returncode == 1, result
+    schema = [f for f in json.loads(result.stdout)["findings"] if f["check"] == "schema"]
+    assert len(schema) == 1 and schema[0]["status"] == "fail", schema
+    assert "0003_freeze" in schema[0]["found"]
+    assert schema[0]["fix"].startswith("pgreserve migrate --database-url ")

@@ -48,15 +48,19 @@ def check(recorded: Recorded, conninfo: str) -> None:
         return
     command = migrate_command(conninfo)
     if len(missing) == len(shipped):
-        what = (f"this database has no pgreserve schema (none of the {len(shipped)} "
-                f"migrations is applied)")
+        message = (f"this database has no pgreserve schema (none of the {len(shipped)} "
+                   f"migrations is applied): run `{command}`, then start again")
     elif missing:
-        what = f"this database is missing migration(s) {', '.join(missing)}"
+        message = (f"this database is missing migration(s) {', '.join(missing)}: "
+                   f"run `{command}`, then start again")
     else:
+        # Only function bodies differ: an upgrade not migrated yet, or a database a newer
+        # release migrated (whose migrate is then the one to run). Checksums cannot tell.
         files = ", ".join(f"functions/{name}.sql" for name in stale)
-        what = f"this database's SQL functions are not this pgreserve's ({files})"
-    raise DatabaseNotMigrated(f"{what}: run `{command}`, then start again",
-                              missing=missing, functions=stale, command=command)
+        message = (f"this database's SQL functions differ from this pgreserve's ({files}): "
+                   f"run `{command}` with this pgreserve if it is the newer one (or with "
+                   f"the newer pgreserve that migrated the database), then start again")
+    raise DatabaseNotMigrated(message, missing=missing, functions=stale, command=command)
 
 
 def migrate_command(conninfo: str) -> str:
