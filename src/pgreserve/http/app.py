@@ -107,7 +107,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     Served alone, this is the app's lifespan. Mounted inside another ASGI app, whose
     server runs only the host's lifespan, the host runs it: `FastAPI(lifespan=
     app.router.lifespan_context)`, or `async with lifespan(app):` inside the host's own
-    (docs/library.md)."""
+    (docs/api.md, "Inside your own FastAPI app")."""
     state = app.state
     if state.lifecycle != NEW:
         raise RuntimeError(f"this pgreserve app's lifespan has already run ({state.lifecycle}):"
@@ -194,7 +194,8 @@ class OpenOnFirstUse:
                     "app?), so its database pool opens on this first request, and is not "
                     "closed at shutdown. Run it from the host's lifespan: FastAPI(lifespan="
                     "app.router.lifespan_context) or `async with pgreserve.http.lifespan(app)`"
-                    " (docs/library.md).", scope.get("root_path") or "/")
+                    " (docs/api.md, 'Inside your own FastAPI app').",
+                    scope.get("root_path") or "/")
             owned: OwnedPool = state.owned_pool
             database = owned.database(state.metrics)
             await database.open()
