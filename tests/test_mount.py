@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -55,6 +56,18 @@ def _backends(dsn: str) -> int:
                            " current_database() AND pid <> pg_backend_pid()").fetchone()
     assert row is not None
     return int(row[0])
+
+
+def _backends_gone(dsn: str) -> bool:
+    """True once no other connection to the test's database is left (a closed client's
+    backend leaves pg_stat_activity a moment after the client hung up); False if one is
+    still there after 30 s."""
+    deadline = time.monotonic() + 30
+    while _backends(dsn) > 0:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def shop_with(inventory: FastAPI, style: str) -> FastAPI:
@@ -118,7 +131,7 @@ def test_a_shop_serves_pgreserve_mounted_and_shutdown_closes_its_pool(
             assert shop.state.phase == "running"
     assert not [r for r in caplog.records if "lifespan did not run" in r.getMessage()]
     assert inventory.state.service.db.pool.closed
-    assert _backends(dsn) == 0
+    assert _backends_gone(dsn)
     if style == "nested":
         assert shop.state.phase == "stopped"
 
