@@ -162,15 +162,18 @@ class Chromium:
 
 
 @contextlib.asynccontextmanager
-async def chromium() -> AsyncIterator[Chromium]:
+async def chromium(*flags: str) -> AsyncIterator[Chromium]:
+    """Headless Chromium on about:blank, started with these extra command-line `flags`."""
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="pgreserve-chromium-") as profile:
+    # Chromium's helper processes may still write the profile as the browser exits.
+    with tempfile.TemporaryDirectory(prefix="pgreserve-chromium-",
+                                     ignore_cleanup_errors=True) as profile:
         proc = await asyncio.create_subprocess_exec(
             str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu",
             "--disable-background-networking", "--disable-component-update", "--disable-sync",
             "--no-first-run", "--disable-dev-shm-usage", "--hide-scrollbars",
             f"--user-data-dir={profile}", f"--remote-debugging-port={port}",
-            "--remote-allow-origins=*", "--window-size=1240,1400", "about:blank",
+            "--remote-allow-origins=*", "--window-size=1240,1400", *flags, "about:blank",
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             async with aiohttp.ClientSession() as http:

@@ -23,6 +23,7 @@ from .db import migrate as migrations
 from .db import schema as schemas
 from .db.database import Database
 from .db.embedded import data_dir_from_env
+from .db.migration_check import check_database
 from .settings import Settings
 from .workers.base import run_forever
 from .workers.janitor import Janitor, JanitorConfig
@@ -602,6 +603,8 @@ def reconcile(database_url: str | None, data_dir: str | None, as_json: bool,
     with _dsn(database_url, data_dir) as dsn:
         if freeze_drifted:
             migrations.migrate(dsn)  # the freeze table and its functions
+        else:
+            check_database(dsn)  # an unmigrated database: a message, not a traceback
         result = run(dsn, tenant=tenant_id, grace_s=grace_seconds, repair=repair,
                      freeze=freeze_drifted)
     if as_json:

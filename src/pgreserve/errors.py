@@ -146,3 +146,20 @@ class TooManyRequests(PgReserveError):
 
 class MigrationError(PgReserveError):
     code = "migration_error"
+
+
+class DatabaseNotMigrated(PgReserveError):
+    """The database lacks migrations (or SQL functions) this pgreserve needs: it was never
+    migrated, or only partly. Nothing was done; `pgreserve migrate` applies what is missing.
+    `details`: `missing` (migration names), `functions` (function files not applied as
+    shipped) and `command` (the command that migrates this database)."""
+
+    code = "database_not_migrated"
+
+
+class DatabaseTooNew(MigrationError):
+    """The database was migrated by a newer pgreserve than this one: it holds migrations
+    this code does not know. Nothing was done (a database is never migrated down); run a
+    pgreserve at least as new as the one that migrated it."""
+
+    code = "database_too_new"

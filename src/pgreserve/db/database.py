@@ -22,6 +22,7 @@ from psycopg.adapt import Transformer
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from .. import errors
+from . import migration_check
 from . import schema as schemas
 from .queries import queries
 
@@ -43,6 +44,8 @@ _SQLSTATE_ERRORS: dict[str, type[errors.PgReserveError]] = {
 }
 _RETRY_WHOLE = {"40P01", "40001", "PR409"}  # deadlock, serialization, key committed first
 _BUSY = {"55P03", "57014"}  # lock_timeout, statement_timeout
+# undefined_table, undefined_function, invalid_schema_name: pgreserve's schema is not there
+_NOT_MIGRATED = {"42P01", "42883", "3F000"}
 
 
 @dataclass(frozen=True)
@@ -155,15 +158,19 @@ class Database:
                  settings: TxSettings | None = None,
                  prepare_threshold: int | None = 5,
                  role_pools: bool = False, role_max_size: int | None = None,
-                 observer: Observer | None = None, schema: str | None = None) -> None:
+                 observer: Observer | None = None, schema: str | None = None,
+                 check_schema: bool = True) -> None:
         """`role_pools`: run each tagged statement on the pool of its Op's role
         (application_name `pgreserve:<role>`, opened on first use, min_size 0);
         untagged statements use the main pool named `application_name`.
         `schema`: where pgreserve's tables and functions are (default
         PGRESERVE_SCHEMA, else `pgreserve`); every transaction sets its
-        search_path to it, in the message that begins it."""
+        search_path to it, in the message that begins it.
+        `check_schema`: `open()` refuses a database this pgreserve's migrations do not
+        match (DatabaseNotMigrated, DatabaseTooNew; db/migration_check.py)."""
         self.conninfo = conninfo
         self.schema = schemas.resolve(schema)
+        self.check_schema = check_schema
         self.settings = settings or TxSettings()
         self.stats = Stats()
         self.observer = observer
@@ -263,6 +270,11 @@ class Database:
         state = exc.sqlstate or ""
         if state in _SQLSTATE_ERRORS:
             raise _typed(exc, state) from None
+        if state in _NOT_MIGRATED:
+            raise errors.DatabaseNotMigrated(
+                f"the database lacks part of pgreserve's schema ({exc.diag.message_primary}): "
+                f"run `{migration_check.migrate_command(self.conninfo, self.schema)}`",
+                command=migration_check.migrate_command(self.conninfo, self.schema)) from exc
         if state in _BUSY:
             raise self._gave_up(op, maybe_ran, f"database busy: {exc.diag.message_primary}",
                                 state) from exc
@@ -282,6 +294,13 @@ class Database:
 
     async def open(self) -> Database:
         await self.pool.open(wait=True, timeout=30)
+        if self.check_schema:
+            try:
+                async with self.pool.connection() as conn:
+                    await migration_check.check_connection(conn, self.conninfo, self.schema)
+            except BaseException:
+                await self.close()
+                raise
         return self
 
     async def close(self) -> None:

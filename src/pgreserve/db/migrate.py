@@ -25,7 +25,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ..errors import MigrationError
+from ..errors import DatabaseTooNew, MigrationError
 from . import schema as schemas
 from .queries import queries
 
@@ -174,6 +174,16 @@ def _check_applied(applied: dict[int, tuple[str, str]], by_version: dict[int, Mi
             "migration replaced; it cannot be upgraded. Recreate it: drop the database "
             "(for the embedded server, remove its data directory) and run "
             "`pgreserve migrate` again.")
+    latest = max(by_version, default=0)
+    newer = [f"{version:04d}_{name}" for version, (name, _) in sorted(applied.items())
+             if version > latest]
+    if newer:
+        raise DatabaseTooNew(
+            f"this database was migrated by a newer pgreserve: it has migration(s) "
+            f"{', '.join(newer)}, which this pgreserve ({_version()}, migrations up to "
+            f"{latest:04d}) does not know. Nothing was changed (a database is never "
+            f"migrated down): run a pgreserve at least as new as the one that migrated it.",
+            newer=newer)
     for version, (name, checksum) in sorted(applied.items()):
         migration = by_version.get(version)
         if migration is None:
@@ -185,6 +195,15 @@ def _check_applied(applied: dict[int, tuple[str, str]], by_version: dict[int, Mi
                 f"migration {version:04d}_{name}.sql changed after it was applied "
                 f"(recorded {checksum[:12]}, file {migration.checksum[:12]})"
             )
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pgreserve")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown version"
 
 
 def applied_versions(conninfo: str, *,

@@ -12,25 +12,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
 from fastapi import Depends, FastAPI
+from psycopg_pool import PoolTimeout
 
+from .. import errors
 from ..core.service import Clock, ReservationService
 from ..db import schema as schemas
 from ..db.database import Database
 from ..ops import web
 from ..ops.pgbouncer import PgBouncerMonitor
 from ..rollout import Rollout
+from . import docs, problems
 from .admission import DEFAULT_REQUEST_DEADLINE_S, Admission, TenantLimit, check_deadline
 from .dependencies import ApiKeyCache, InFlight, known_query_only
 from .exception_handlers import EXCEPTION_HANDLERS
 from .metrics import ApiMetrics
-from .middleware import BodyLimit, ObserveRequests
+from .middleware import ASGIApp, BodyLimit, ObserveRequests, Receive, Scope, Send
 from .openapi import openapi_schema, operation_id
 from .requestlog import RequestLog
 from .requestlog import from_env as request_log_from_env
@@ -41,7 +46,9 @@ from .routes import ROUTERS
 # 0, every request asks, so a revoked key is refused from the next request on.
 DEFAULT_API_KEY_CACHE_S = 0.0
 
-__all__ = ["DEFAULT_BODY_LIMIT", "REPLAYED_HEADER", "app_from_env", "create_app"]
+__all__ = ["DEFAULT_BODY_LIMIT", "REPLAYED_HEADER", "app_from_env", "create_app", "lifespan"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BODY_LIMIT = 64 * 1024
 
@@ -97,8 +104,19 @@ async def _background(app: FastAPI, conninfo: str) -> AsyncIterator[None]:
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """Open the app's own pool (when it has one) and run the monitors (when asked)."""
+    """Run a pgreserve app: open its own pool (when it has one; a database this version
+    cannot serve is refused: DatabaseNotMigrated, DatabaseTooNew), run the monitors (when
+    asked), and close the pool at the end.
+
+    Served alone, this is the app's lifespan. Mounted inside another ASGI app, whose
+    server runs only the host's lifespan, the host runs it: `FastAPI(lifespan=
+    app.router.lifespan_context)`, or `async with lifespan(app):` inside the host's own
+    (docs/api.md, "Inside your own FastAPI app")."""
     state = app.state
+    if state.lifecycle != NEW:
+        raise RuntimeError(f"this pgreserve app's lifespan has already run ({state.lifecycle}):"
+                           " an app runs once; make another with create_app")
+    state.lifecycle = RUNNING
     owned: OwnedPool | None = state.owned_pool
     pgbouncer: PgBouncerMonitor | None = state.pgbouncer
     try:
@@ -117,8 +135,88 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         finally:
             await database.close()
     finally:
+        state.lifecycle = STOPPED
         if pgbouncer is not None:
             await pgbouncer.close()
+
+
+# app.state.lifecycle: the lifespan has not run yet, runs, has run.
+NEW, RUNNING, STOPPED = "new", "running", "stopped"
+
+
+def _own_lifespan(app: FastAPI) -> Callable[[object], AbstractAsyncContextManager[None]]:
+    """The app's lifespan bound to the app itself, whatever app the server passes: a
+    host may then hand it on as its own (`FastAPI(lifespan=app.router.lifespan_context)`)."""
+    def run(_served: object) -> AbstractAsyncContextManager[None]:
+        return lifespan(app)
+    return run
+
+
+# Paths answered without the database: a mounted app whose pool is not open yet serves
+# its documentation without opening it.
+_NO_DATABASE_PATHS = ("/docs", "/redoc", "/openapi.json")
+
+
+class OpenOnFirstUse:
+    """A fallback for an app mounted where its lifespan does not run: the first request
+    that needs the database opens the app's own pool (once; a failed open is tried again
+    by the next request), with a warning in the log. The pool is then never closed before
+    the process exits and the monitors do not run: run the lifespan from the host's."""
+
+    def __init__(self, app: ASGIApp, api: FastAPI) -> None:
+        self.app = app
+        self.api = api
+        self.warned = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state = self.api.state
+        if (state.service is None and scope["type"] == "http"
+                and state.lifecycle == NEW and state.owned_pool is not None
+                and not _route_path(scope).startswith(_NO_DATABASE_PATHS)):
+            try:
+                await self.open(scope)
+            except errors.PgReserveError as exc:
+                await problems.problem_response(exc)(scope, receive, send)
+                return
+            except (psycopg.Error, PoolTimeout, OSError) as exc:
+                log.error("pgreserve could not open its database pool: %s", exc)
+                await problems.problem_response(problems.Unavailable(
+                    "the database pool could not be opened; see the server's log"))(
+                        scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    async def open(self, scope: Scope) -> None:
+        state = self.api.state
+        async with state.opening:
+            if state.service is not None or state.lifecycle != NEW:
+                return
+            if not self.warned:
+                self.warned = True
+                log.warning(
+                    "pgreserve app at %r: its lifespan did not run (mounted inside another "
+                    "app?), so its database pool opens on this first request, and is not "
+                    "closed at shutdown. Run it from the host's lifespan: FastAPI(lifespan="
+                    "app.router.lifespan_context) or `async with pgreserve.http.lifespan(app)`"
+                    " (docs/api.md, 'Inside your own FastAPI app').",
+                    scope.get("root_path") or "/")
+            owned: OwnedPool = state.owned_pool
+            database = owned.database(state.metrics)
+            await database.open()
+            service = ReservationService(database, **state.service_options)
+            url: str | None = state.legacy_redis_url
+            if url is not None:
+                rollout = Rollout.from_url(service, url, registry=state.metrics.registry)
+                rollout.start()
+                state.rollout = rollout
+            state.service = service
+
+
+def _route_path(scope: Scope) -> str:
+    """The request's path inside this app (without the mount point)."""
+    path = str(scope.get("path", ""))
+    root = str(scope.get("root_path", ""))
+    return path[len(root):] if root and path.startswith(root) else path
 
 
 @asynccontextmanager
@@ -192,11 +290,13 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
         title="pgreserve",
         version="1",
         summary="Inventory reservations (holds, claims, releases, expiry) that never oversell.",
-        lifespan=lifespan,
         dependencies=[Depends(known_query_only)],
         exception_handlers=EXCEPTION_HANDLERS,
         generate_unique_id_function=operation_id,
+        docs_url=None, redoc_url=None,  # docs.py serves them from the package, offline
     )
+    app.router.lifespan_context = _own_lifespan(app)
+    docs.add_routes(app)
     for router in ROUTERS:
         app.include_router(router)
     app.openapi = functools.partial(openapi_schema, app)  # type: ignore[method-assign]  # FastAPI's documented way to override the schema
@@ -210,6 +310,8 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     state.legacy_redis_url = legacy_redis_url
     state.rollout = rollout
     state.tenant_limit = limit
+    state.lifecycle = NEW
+    state.opening = asyncio.Lock()
     state.pgbouncer = (PgBouncerMonitor(pgbouncer_admin_url, metrics.registry)
                        if pgbouncer_admin_url else None)
     if database is not None:
@@ -223,6 +325,7 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
         state.owned_pool = OwnedPool(dsn, pool_size, pool_min_size, application_name,
                                      prepare_threshold, schemas.resolve(schema))
         state.service = None
+    app.add_middleware(OpenOnFirstUse, api=app)
     app.add_middleware(Admission, deadline_s=request_deadline_s, limit=limit)
     app.add_middleware(ObserveRequests, metrics=metrics, log=request_log)
     app.add_middleware(BodyLimit, limit=body_limit)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -11,6 +12,8 @@ from starlette.responses import Response
 from .. import errors
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
+
+log = logging.getLogger(__name__)
 
 
 # -- errors that only exist at the HTTP layer ----------------------------------
@@ -97,6 +100,8 @@ STATUS: dict[type[errors.PgReserveError], tuple[int, str]] = {
     errors.OutcomeUnknown: (503, "Outcome unknown, retry with the same Idempotency-Key"),
     errors.DatabaseUnavailable: (503, "Database unavailable, retry later"),
     errors.TooManyRequests: (429, "Too many requests for this tenant, retry later"),
+    errors.DatabaseNotMigrated: (503, "Database not migrated"),
+    errors.DatabaseTooNew: (503, "Database migrated by a newer pgreserve"),
     Unauthorized: (401, "Unauthorized"),
     IdempotencyKeyMissing: (400, "Idempotency-Key header required"),
     IdempotencyKeyInvalid: (400, "Invalid Idempotency-Key"),
@@ -160,13 +165,33 @@ def render(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
+# Errors whose message is for the operator (it names the database and the command that
+# mends it): a client is told this instead, and the message goes to the log.
+OPERATOR_ONLY: dict[type[errors.PgReserveError], str] = {
+    errors.DatabaseNotMigrated: "the service's database is not migrated for this version of "
+                                "pgreserve (its operator must run `pgreserve migrate`); "
+                                "nothing was done",
+    errors.DatabaseTooNew: "the service's database was migrated by a newer pgreserve than "
+                           "this server runs; nothing was done",
+}
+
+
+def public_detail(exc: errors.PgReserveError) -> str:
+    """The problem's `detail`: the error's message, unless it is for the operator only."""
+    for cls in type(exc).__mro__:
+        if cls in OPERATOR_ONLY:
+            log.error("%s", exc.message)
+            return OPERATOR_ONLY[cls]
+    return exc.message
+
+
 def problem_doc(exc: errors.PgReserveError, **extra: Any) -> dict[str, Any]:
     status, title = status_of(exc)
     doc: dict[str, Any] = {
         "type": f"urn:pgreserve:problem:{exc.code}",
         "title": title,
         "status": status,
-        "detail": exc.message,
+        "detail": public_detail(exc),
         "code": exc.code,
     }
     doc.update({k: v for k, v in extra.items() if v is not None})
@@ -233,5 +258,7 @@ _DESCRIPTIONS = {
     429: "Too many requests of this tenant in flight (too_many_requests); retry after "
          "Retry-After seconds, nothing was done",
     503: "busy (not run), outcome_unknown (may have run: retry with the same key) or "
-         "database_unavailable; retry after Retry-After seconds",
+         "database_unavailable; retry after Retry-After seconds. database_not_migrated "
+         "or database_too_new: the service's database does not match its version (no "
+         "Retry-After; its operator must act)",
 }

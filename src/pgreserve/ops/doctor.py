@@ -12,8 +12,11 @@ from typing import Any, LiteralString
 import psycopg
 from psycopg import sql
 
+from ..db import migrate as migrations
+from ..db import migration_check
 from ..db import schema as schemas
 from ..db.queries import queries
+from ..errors import DatabaseNotMigrated, MigrationError
 from .pgbouncer import read_pgbouncer
 
 # Statements slower than this are logged (the design's slow-statement threshold).
@@ -202,7 +205,21 @@ def diagnose(dsn: str, *, pool_size: int = 10, processes: int = 1,
             f"age(datfrozenxid)={age}", f"below autovacuum_freeze_max_age ({freeze})",
             queries["database_freeze_fix"] + " the oldest tables; find what holds back the xmin "
             "(long transactions, idle in transaction, replication slots)"))
+    out.append(_schema_finding(dsn, schema))
     return out
+
+
+def _schema_finding(dsn: str, schema: str | None) -> Finding:
+    """Does the database hold exactly this version's migrations and function files?"""
+    want = "every migration and function file of this pgreserve, and no other"
+    try:
+        migration_check.check_database(dsn, schema)
+    except MigrationError as exc:  # DatabaseTooNew, a changed or legacy history
+        return Finding("schema", "fail", exc.message, want,
+                       "run the pgreserve that migrated this database, or recreate it")
+    except DatabaseNotMigrated as exc:
+        return Finding("schema", "fail", exc.message, want, str(exc.details["command"]))
+    return Finding("schema", "ok", f"{len(migrations.available())} migrations", want, "")
 
 
 def diagnose_pgbouncer(admin_url: str) -> list[Finding]:

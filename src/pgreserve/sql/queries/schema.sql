@@ -20,6 +20,9 @@ CREATE TABLE IF NOT EXISTS pgreserve_function_file (
 -- name: schema_migration_table_exists
 SELECT to_regclass('pgreserve_migration');
 
+-- name: schema_function_file_table_exists
+SELECT to_regclass('pgreserve_function_file');
+
 -- name: schema_migration_list
 SELECT version, name, checksum FROM pgreserve_migration ORDER BY version;
 
