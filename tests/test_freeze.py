@@ -56,7 +56,7 @@ async def test_a_frozen_bucket_refuses_new_holds_and_keeps_the_rest(
 
     claimed = await svc.claim(tenant.id, first.reservation.id)
     released = await svc.release(tenant.id, second.reservation.id)
-    extended = await svc.extend(tenant.id, third.reservation.id, 600)
+    extended = await svc.extend(tenant.id, third.reservation.id, 1800)
     assert claimed.status.value == "claimed" and released.status.value == "released"
     assert extended.status.value == "active"
     replay = await svc.reserve(tenant.id, "before-1", [("hot", "w", 2)])
