@@ -28,6 +28,7 @@ from hypothesis.stateful import (
 
 from pgreserve import Database, ReservationService, Status
 from pgreserve.errors import (
+    ExtendWouldShorten,
     ReservationClaimed,
     ReservationExpired,
     ReservationNotActive,
@@ -171,17 +172,24 @@ class ReservationModel(RuleBasedStateMachine):
         assert res.status.value == h.status
 
     @precondition(lambda self: self.holds)
-    @rule(data=st.data(), ttl=st.sampled_from([5, 60]))
-    def extend(self, data: st.DataObject, ttl: int) -> None:
+    @rule(data=st.data(), ttl=st.sampled_from([5, 60]), shorten=st.booleans())
+    def extend(self, data: st.DataObject, ttl: int, shorten: bool) -> None:
         h = self.holds[data.draw(st.sampled_from(sorted(self.holds)))]
         if not self.live(h):
             try:
-                self.run(self.svc.extend(self.tenant, h.id, ttl))
+                self.run(self.svc.extend(self.tenant, h.id, ttl, allow_shorten=shorten))
             except ReservationNotActive:
                 return
             raise AssertionError(f"extended a {h.status} reservation past its expiry")
-        res = self.run(self.svc.extend(self.tenant, h.id, ttl))
-        h.expires_at = self.clock.now + timedelta(seconds=ttl)
+        wanted = self.clock.now + timedelta(seconds=ttl)
+        if wanted < h.expires_at and not shorten:
+            try:
+                self.run(self.svc.extend(self.tenant, h.id, ttl))
+            except ExtendWouldShorten:
+                return  # and the hold keeps its expiry (the model's stays)
+            raise AssertionError("an extend ended a hold sooner without allow_shorten")
+        res = self.run(self.svc.extend(self.tenant, h.id, ttl, allow_shorten=shorten))
+        h.expires_at = wanted
         assert res.expires_at == h.expires_at
 
     @rule(seconds=st.integers(1, 90))

@@ -478,6 +478,30 @@ async def test_a_freeze_stops_new_holds_in_shadow_and_primary_modes(
     assert await service.invariant_violations() == []
 
 
+async def test_a_cart_limit_refuses_in_shadow_and_primary_modes(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """A cart over pgreserve's per-cart limit takes no hold in either store in shadow or
+    primary mode (Redis knows no limits: its hold in shadow is given back), and the refusal
+    is replayed for its key."""
+    for mode in (Mode.SHADOW, Mode.PRIMARY):
+        sku = f"cap-{mode.value}"
+        await seed(service, store, tenant.id, sku, 5)
+        await service.set_cart_limit(tenant.id, sku, 1)
+        await set_mode(db, tenant.id, mode, "test")
+        cart = [(sku, "berlin", 2)]
+        out = await rollout.reserve(tenant.id, f"k-{mode.value}", cart, ttl=60)
+        assert not out.held and out.reason == "cart_limit_exceeded", mode
+        assert await store.available(tenant.id, sku, "berlin") == 5
+        assert await store.held(tenant.id, sku, "berlin") == 0
+        again = await rollout.reserve(tenant.id, f"k-{mode.value}", cart, ttl=60)
+        assert again.replayed and again.reason == "cart_limit_exceeded", mode
+        assert (await rollout.reserve(tenant.id, f"k2-{mode.value}", [(sku, "berlin", 1)],
+                                      ttl=60)).held, mode
+        assert await store.available(tenant.id, sku, "berlin") == 4
+    assert await service.invariant_violations() == []
+
+
 async def test_shadow_mode_pgreserve_failure_is_recorded_not_returned(
         rollout: Rollout, store: RedisHoldStore, tenant: Tenant, db: Database) -> None:
     """In shadow mode an error of pgreserve (a bucket it does not know) leaves Redis's answer

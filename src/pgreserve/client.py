@@ -33,7 +33,15 @@ from urllib.parse import quote, urlencode
 import httpx
 
 from . import errors
-from .domain import Line, Reservation, ReserveOutcome, ShortLine, Strategy
+from .domain import (
+    LimitedLine,
+    Line,
+    Reservation,
+    ReserveOutcome,
+    ShortLine,
+    SkuSettings,
+    Strategy,
+)
 from .http import problems  # noqa: F401 - defines the HTTP-only error classes mapped below
 
 __all__ = ["ApiError", "AsyncClient", "Client", "LocationAvailability", "SkuAvailability", "Stock"]
@@ -162,15 +170,24 @@ def _lines(lines: Iterable[Line | tuple[str, str, int]]) -> list[dict[str, Any]]
     return out
 
 
+# the 409 answers of a reserve that are outcomes (stored under the key), not errors
+_REJECTIONS = ("insufficient_stock", "cart_limit_exceeded")
+
+
 def _outcome(response: httpx.Response) -> ReserveOutcome:
     replayed = response.headers.get(REPLAYED_HEADER) == "true"
     if response.status_code == 201:
         return ReserveOutcome(True, Reservation.from_json(response.json(), replayed),
                               (), replayed)
     doc = response.json()
+    if response.status_code != 409 or doc.get("code") not in _REJECTIONS:
+        raise error_from_response(response)
     short = tuple(ShortLine(s["sku"], s["location"], int(s["requested"]), int(s["available"]))
                   for s in doc.get("short_lines") or ())
-    return ReserveOutcome(False, None, short, replayed)
+    limited = tuple(LimitedLine(x["sku"], int(x["limit"]), int(x["requested"]))
+                    for x in doc.get("limited_lines") or ())
+    return ReserveOutcome(False, None, short, replayed, str(doc["code"]),
+                          limited_lines=limited)
 
 
 def _reservation(response: httpx.Response) -> Reservation:
@@ -266,6 +283,10 @@ class _Base:
         return _Call("GET", "/v1/availability?" + urlencode(query))
 
     @staticmethod
+    def _set_cart_limit(sku: str, limit: int | None) -> _Call:
+        return _Call("PUT", _path("v1", "skus", sku), {"cart_limit": limit})
+
+    @staticmethod
     def _set_stock(sku: str, location: str, on_hand: int,
                    strategy: Strategy | str | None) -> _Call:
         body: dict[str, Any] = {"on_hand": on_hand}
@@ -322,10 +343,7 @@ class Client(_Base):
         outcome with held False, not an error."""
         call = self._reserve(lines, ttl_seconds, idempotency_key)
         call = _Call(call.method, call.path, call.body, call.key, ok=(201, 409))
-        response = self._send(call)
-        if response.status_code == 409 and response.json().get("code") != "insufficient_stock":
-            raise error_from_response(response)
-        return _outcome(response)
+        return _outcome(self._send(call))
 
     def claim(self, reservation_id: str, *, idempotency_key: str | None = None) -> Reservation:
         return _reservation(self._send(self._transition("claim", reservation_id,
@@ -358,6 +376,10 @@ class Client(_Base):
                   strategy: Strategy | str | None = None) -> Stock:
         return Stock.from_json(self._send(self._set_stock(sku, location, on_hand,
                                                           strategy)).json())
+
+    def set_cart_limit(self, sku: str, limit: int | None) -> SkuSettings:
+        """At most `limit` units of the SKU per reservation (None: no limit)."""
+        return SkuSettings.from_json(self._send(self._set_cart_limit(sku, limit)).json())
 
 
 class AsyncClient(_Base):
@@ -403,10 +425,7 @@ class AsyncClient(_Base):
         outcome with held False, not an error."""
         call = self._reserve(lines, ttl_seconds, idempotency_key)
         call = _Call(call.method, call.path, call.body, call.key, ok=(201, 409))
-        response = await self._send(call)
-        if response.status_code == 409 and response.json().get("code") != "insufficient_stock":
-            raise error_from_response(response)
-        return _outcome(response)
+        return _outcome(await self._send(call))
 
     async def claim(self, reservation_id: str, *,
                     idempotency_key: str | None = None) -> Reservation:
@@ -441,4 +460,8 @@ class AsyncClient(_Base):
                         strategy: Strategy | str | None = None) -> Stock:
         return Stock.from_json((await self._send(self._set_stock(
             sku, location, on_hand, strategy))).json())
+
+    async def set_cart_limit(self, sku: str, limit: int | None) -> SkuSettings:
+        """At most `limit` units of the SKU per reservation (None: no limit)."""
+        return SkuSettings.from_json((await self._send(self._set_cart_limit(sku, limit))).json())
 

@@ -76,11 +76,34 @@ class ShortLine:
 
 
 @dataclass(frozen=True)
+class LimitedLine:
+    """A SKU a cart asked more of than its per-cart limit (summed over its lines)."""
+
+    sku: str
+    limit: int
+    requested: int
+
+
+@dataclass(frozen=True)
+class SkuSettings:
+    """What is set for a SKU over all its locations."""
+
+    sku: str
+    cart_limit: int | None  # at most this many units of the SKU per reservation
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> SkuSettings:
+        limit = doc.get("cart_limit")
+        return cls(str(doc["sku"]), None if limit is None else int(limit))
+
+
+@dataclass(frozen=True)
 class ReserveOutcome:
     """What a reserve request came to: held (with the reservation) or rejected.
 
-    `reason` of a rejection: insufficient_stock (see short_lines), or
-    bucket_frozen / tenant_frozen (see frozen_lines; an operator froze them)."""
+    `reason` of a rejection: insufficient_stock (see short_lines),
+    cart_limit_exceeded (see limited_lines), or bucket_frozen / tenant_frozen (see
+    frozen_lines; an operator froze them)."""
 
     held: bool
     reservation: Reservation | None = None
@@ -88,6 +111,7 @@ class ReserveOutcome:
     replayed: bool = False
     reason: str | None = None
     frozen_lines: tuple[StockRef, ...] = field(default=())
+    limited_lines: tuple[LimitedLine, ...] = field(default=())
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> ReserveOutcome:
@@ -99,13 +123,20 @@ class ReserveOutcome:
             for s in doc.get("short_lines", ())
         )
         frozen = tuple(StockRef(f["sku"], f["location"]) for f in doc.get("frozen_lines", ()))
+        limited = tuple(LimitedLine(x["sku"], int(x["limit"]), int(x["requested"]))
+                        for x in doc.get("limited_lines", ()))
         return cls(False, None, short, replayed, str(doc.get("reason", "insufficient_stock")),
-                   frozen)
+                   frozen, limited)
 
     @property
     def frozen(self) -> bool:
         """Refused because an operator froze the tenant or a bucket of the cart."""
         return self.reason in ("bucket_frozen", "tenant_frozen")
+
+    @property
+    def by_rule(self) -> bool:
+        """Refused by a rule of the tenant's (a freeze, a per-cart limit), not for stock."""
+        return self.frozen or self.reason == "cart_limit_exceeded"
 
 
 @dataclass(frozen=True)

@@ -467,7 +467,9 @@ class FaultRun:
                          key: str | None, ttl: float = 30.0) -> Record:
         rec = Record(c, kind, key, (rid, ttl), reservation_id=rid)
         if kind == "extend":
-            call = partial(service.extend, self.tenant, rid, ttl, request_key=key)
+            # (shortening allowed: the harness's model is "expiry = now + ttl")
+            call = partial(service.extend, self.tenant, rid, ttl, request_key=key,
+                           allow_shorten=True)
         elif kind == "claim":
             call = partial(service.claim, self.tenant, rid, request_key=key)
         else:
@@ -871,7 +873,8 @@ class FaultRun:
             rid, ttl = rec.params
             try:
                 if rec.kind == "extend":
-                    await service.extend(self.tenant, rid, ttl, request_key=rec.key)
+                    await service.extend(self.tenant, rid, ttl, request_key=rec.key,
+                                         allow_shorten=True)
                 elif rec.kind == "claim":
                     await service.claim(self.tenant, rid, request_key=rec.key)
                 else:

@@ -30,6 +30,7 @@ from ..db.queries import queries
 from ..domain import (
     DEFAULT_TTL,
     MAX_ON_HAND,
+    MAX_QUANTITY,
     ApiKeyInfo,
     Availability,
     Event,
@@ -39,6 +40,7 @@ from ..domain import (
     RequestRecord,
     Reservation,
     ReserveOutcome,
+    SkuSettings,
     StockView,
     Strategy,
     Tenant,
@@ -77,6 +79,8 @@ OPS: dict[str, Op] = {op.action: op for op in (
     Op("stock", "stock_set", "PUT /v1/stock/{location}/{sku}"),
     Op("stock", "stock_adjust", "POST /v1/stock/{location}/{sku}/adjustments"),
     Op("api", "stock_get", "GET /v1/stock/{location}/{sku}"),
+    Op("stock", "sku_limit_set", "PUT /v1/skus/{sku}"),
+    Op("api", "sku_get", "GET /v1/skus/{sku}"),
     Op("api", "availability", "GET /v1/availability"),
     Op("reserve", "reserve", "POST /v1/reservations"),
     Op("claim", "claim", "POST /v1/reservations/{id}/claim"),
@@ -241,6 +245,25 @@ class ReservationService:
              pool_cap, self.clock()), op=OPS["stock_set"],
         )
         return StockView.from_json(doc)
+
+    async def set_cart_limit(self, tenant: int, sku: str, limit: int | None) -> SkuSettings:
+        """At most `limit` units of `sku` (over all its lines and locations) in one
+        reservation, for its buckets now and later; None removes the limit. A cart over it
+        is refused (reason cart_limit_exceeded, stored under its key) and takes nothing."""
+        tenant = check.tenant_id(tenant)
+        sku = check.name(sku, "sku")
+        if limit is not None:
+            limit = check.integer(limit, "cart_limit", 1, MAX_QUANTITY)
+        doc = await self.db.call(queries["sku_limit_set"], (tenant, sku, limit),
+                                 op=OPS["sku_limit_set"])
+        return SkuSettings.from_json(doc)
+
+    async def sku_settings(self, tenant: int, sku: str) -> SkuSettings:
+        """What is set for a SKU (a SKU never set: no limit)."""
+        tenant = check.tenant_id(tenant)
+        sku = check.name(sku, "sku")
+        rows = await self.db.fetch(queries["sku_settings"], (tenant, sku), op=OPS["sku_get"])
+        return SkuSettings.from_json(rows[0][0])
 
     async def adjust_stock(self, tenant: int, request_key: str, sku: str, location: str,
                            delta: int, *, reason: str = "", force: bool = False) -> StockView:

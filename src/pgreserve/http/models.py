@@ -86,6 +86,17 @@ class ReserveIn(Strict):
     ttl_seconds: TtlSeconds = 900
 
 
+class SkuSettingsIn(Strict):
+    cart_limit: Quantity | None = Field(
+        description="at most this many units of the SKU in one reservation, over all its "
+                    "lines and locations; null: no limit")
+
+
+class SkuSettingsOut(BaseModel):
+    sku: str
+    cart_limit: int | None
+
+
 class ExtendIn(Strict):
     ttl_seconds: TtlSeconds
     allow_shorten: StrictBool = Field(

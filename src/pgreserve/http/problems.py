@@ -51,6 +51,12 @@ class BucketFrozen(errors.PgReserveError):
     code = "bucket_frozen"
 
 
+class CartLimitExceeded(errors.PgReserveError):
+    """A rejected ReserveOutcome (over a SKU's per-cart limit); raised to render it."""
+
+    code = "cart_limit_exceeded"
+
+
 class TenantFrozen(errors.PgReserveError):
     """A rejected ReserveOutcome (the tenant is frozen); raised to render it."""
 
@@ -109,6 +115,7 @@ STATUS: dict[type[errors.PgReserveError], tuple[int, str]] = {
     InsufficientStock: (409, "Insufficient stock"),
     BucketFrozen: (423, "Bucket frozen"),
     TenantFrozen: (423, "Tenant frozen"),
+    CartLimitExceeded: (409, "Cart limit exceeded"),
     PayloadTooLarge: (413, "Request body too large"),
     NotFound: (404, "Not found"),
     MethodNotAllowed: (405, "Method not allowed"),
@@ -138,6 +145,12 @@ class StockRef(BaseModel):
     location: str
 
 
+class LimitedLine(BaseModel):
+    sku: str
+    limit: int
+    requested: int
+
+
 class FieldError(BaseModel):
     loc: list[str | int]
     msg: str
@@ -157,6 +170,7 @@ class Problem(BaseModel):
     short_lines: list[ShortLine] | None = None
     unknown_stock: list[StockRef] | None = None
     frozen_lines: list[StockRef] | None = None
+    limited_lines: list[LimitedLine] | None = None
     errors: list[FieldError] | None = None
 
 
@@ -251,7 +265,8 @@ _DESCRIPTIONS = {
     401: "Missing or unknown API key (unauthorized)",
     404: "Not found (unknown_stock, reservation_not_found, webhook_not_found, "
          "request_not_found)",
-    409: "Conflict with the current state",
+    409: "Conflict with the current state (insufficient_stock and cart_limit_exceeded are "
+         "stored under the key)",
     413: "Request body too large",
     422: "Invalid request (invalid_request, idempotency_key_reused, webhook_url_refused)",
     423: "Frozen by an operator (bucket_frozen, tenant_frozen); stored under the key",

@@ -3,7 +3,8 @@
 - `legacy`: Redis answers; pgreserve is not written (a claim's sale goes to
   `rollout_legacy_sale` after Redis dropped the hold, as the legacy design does).
 - `shadow`: Redis answers; pgreserve gets the same request (same request key). A
-  reserve pgreserve refuses as frozen is refused (`_frozen_in_shadow`).
+  reserve pgreserve refuses by a rule (a freeze, a per-cart limit) is refused
+  (`_refused_by_rule_in_shadow`).
 - `primary`: pgreserve answers; Redis gets the same request, so going back is one
   command and Redis has every hold (a cart Redis refuses is refused: see
   `_reserve_primary`).
@@ -67,7 +68,8 @@ log = logging.getLogger(__name__)
 
 CLOCK_MARGIN = timedelta(seconds=5)
 # The pgreserve id a Redis hold is linked to when the caller was told pgreserve's
-# freeze refusal instead (shadow mode): the hold was given back at once.
+# refusal by a rule instead (shadow mode: a freeze or a per-cart limit; the value
+# dates from when freezes were the only such rule): the hold was given back at once.
 FROZEN_LINK = "frozen"
 
 OP_SALE = Op("rollout", "rollout_legacy_sale_record", "rollout/legacy-sale")
@@ -209,8 +211,8 @@ class Rollout:
         pg, pg_out, pg_ms = await self._pg_reserve(tenant, key, cart, life)
         self._compare(tenant, Mode.SHADOW, "reserve", key, reserve_outcome(legacy), pg_out,
                       legacy_ms, pg_ms)
-        if pg is not None and pg.frozen and legacy.held:
-            refused = await self._frozen_in_shadow(tenant, legacy, pg)
+        if pg is not None and pg.by_rule and legacy.held:
+            refused = await self._refused_by_rule_in_shadow(tenant, legacy, pg)
             if refused is not None:
                 return refused
         if pg is not None and pg.held and not pg.replayed:
@@ -222,12 +224,12 @@ class Rollout:
                                       "release")
         return legacy
 
-    async def _frozen_in_shadow(self, tenant: int, legacy: ReserveOutcome,
-                                pg: ReserveOutcome) -> ReserveOutcome | None:
-        """A freeze stops new holds in shadow mode too: the caller gets pgreserve's stored
-        refusal and Redis's hold goes back. The Redis hold is marked first, so a replay of
-        the key gives the same refusal. None: Redis's answer stands (it could not be
-        marked, or a replay whose first answer was Redis's)."""
+    async def _refused_by_rule_in_shadow(self, tenant: int, legacy: ReserveOutcome,
+                                         pg: ReserveOutcome) -> ReserveOutcome | None:
+        """A freeze or a per-cart limit stops new holds in shadow mode too: the caller gets
+        pgreserve's stored refusal and Redis's hold goes back. The Redis hold is marked
+        first, so a replay of the key gives the same refusal. None: Redis's answer stands
+        (it could not be marked, or a replay whose first answer was Redis's)."""
         rid = _rid(legacy)
         if legacy.replayed:
             record = await self.store.record(tenant, rid)

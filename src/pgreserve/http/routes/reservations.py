@@ -36,8 +36,8 @@ async def reserve(body: ReserveIn, caller: Authenticated,
 
 
 def reserve_response(outcome: ReserveOutcome) -> Response:
-    """201 with the reservation, 409 insufficient_stock with its short lines, or 423
-    bucket_frozen / tenant_frozen."""
+    """201 with the reservation, 409 insufficient_stock with its short lines, 409
+    cart_limit_exceeded with its limited lines, or 423 bucket_frozen / tenant_frozen."""
     if outcome.held:
         assert outcome.reservation is not None
         return json_response(201, reservation_doc(outcome.reservation), outcome.replayed)
@@ -46,6 +46,12 @@ def reserve_response(outcome: ReserveOutcome) -> Response:
         return problems.problem_response(
             problems.TenantFrozen("an operator froze new reservations of this tenant"),
             headers=headers)
+    if outcome.reason == "cart_limit_exceeded":
+        limited = [{"sku": x.sku, "limit": x.limit, "requested": x.requested}
+                   for x in outcome.limited_lines]
+        return problems.problem_response(
+            problems.CartLimitExceeded(f"{len(limited)} SKU(s) over their per-cart limit"),
+            headers=headers, limited_lines=limited)
     if outcome.reason == "bucket_frozen":
         frozen = [{"sku": f.sku, "location": f.location} for f in outcome.frozen_lines]
         return problems.problem_response(

@@ -63,6 +63,7 @@ DECLARE
     v_dshortfall bigint := 0;
     v_looked boolean := false;
     v_frozen jsonb;           -- the refusal of every reserve, when frozen
+    v_limited jsonb;          -- this reserve's refusal, when over the per-cart limit
     v_others boolean := false;
     v_refill boolean := false;
     -- what the batch writes, set-based at the end
@@ -182,9 +183,13 @@ BEGIN
 
         IF p_kinds[i] = 'reserve' THEN
             v_q := p_quantities[i];
+            -- over the SKU's per-cart limit (the bucket row's copy), first
+            v_limited := CASE WHEN v_q > b.cart_limit THEN cart_limit_refusal_v1(
+                ARRAY[b.sku], ARRAY[v_q], ARRAY[b.cart_limit]) END;
             -- The batch holds the bucket row: it takes from free first (a
             -- counter) and deletes pool units only for what free cannot cover.
-            IF v_frozen IS NULL AND v_units + v_free < v_q AND NOT v_looked THEN
+            IF v_frozen IS NULL AND v_limited IS NULL AND v_units + v_free < v_q
+               AND NOT v_looked THEN
                 v_looked := true;
                 IF v_dfree <> 0 OR v_don_hand <> 0 OR v_dshortfall <> 0 THEN
                     -- the look gives expired holds back against the bucket row
@@ -199,9 +204,9 @@ BEGIN
                 FROM bucket_batch_look_v1(p_tenant, p_bucket, b.strategy, b.pool_cap, v_now,
                                           i, p_kinds, p_quantities, v_units, v_free, r_ids);
             END IF;
-            IF v_frozen IS NOT NULL THEN
+            IF v_limited IS NOT NULL OR v_frozen IS NOT NULL THEN
                 -- stored under its key like any answer
-                v_doc := v_frozen;
+                v_doc := coalesce(v_limited, v_frozen);
                 l_status := l_status || 'rejected'::text;
             ELSIF v_units + v_free >= v_q THEN
                 v_w := least(v_free, v_q);

@@ -79,6 +79,8 @@ DECLARE
     v_lo bigint;
     v_hi bigint;
     v_free bigint;
+    v_limit integer;
+    v_limits integer[];
     v_sold_out boolean := false;
     v_short integer[] := '{}';
     v_seen bigint[] := '{}';
@@ -123,8 +125,8 @@ BEGIN
         -- and no hold past its expiry. Then the answer is no at once: no take,
         -- no refill lock, no scan. The probes name the bucket by a parameter,
         -- so the executor opens one pool partition, not all of them.
-        SELECT b.bucket_id, b.strategy, b.pool_lo, b.pool_hi, b.free
-        INTO v_bucket, v_strategy, v_lo, v_hi, v_free
+        SELECT b.bucket_id, b.strategy, b.pool_lo, b.pool_hi, b.free, b.cart_limit
+        INTO v_bucket, v_strategy, v_lo, v_hi, v_free, v_limit
         FROM stock_bucket b
         WHERE b.tenant_id = p_tenant AND b.sku = p_skus[1] AND b.location = p_locations[1];
         IF FOUND THEN
@@ -150,9 +152,10 @@ BEGIN
     ELSE
         SELECT array_agg(b.bucket_id ORDER BY u.ord), array_agg(b.strategy ORDER BY u.ord),
                array_agg(b.pool_lo ORDER BY u.ord), array_agg(b.pool_hi ORDER BY u.ord),
+               array_agg(b.cart_limit ORDER BY u.ord),
                jsonb_agg(jsonb_build_object('sku', u.sku, 'location', u.loc) ORDER BY u.ord)
                    FILTER (WHERE b.bucket_id IS NULL)
-        INTO v_buckets, v_strategies, v_los, v_his, v_missing
+        INTO v_buckets, v_strategies, v_los, v_his, v_limits, v_missing
         FROM unnest(p_skus, p_locations) WITH ORDINALITY AS u(sku, loc, ord)
         LEFT JOIN stock_bucket b
           ON b.tenant_id = p_tenant AND b.sku = u.sku AND b.location = u.loc;
@@ -162,12 +165,19 @@ BEGIN
         RAISE EXCEPTION 'unknown stock' USING ERRCODE = 'PR404', DETAIL = v_missing::text;
     END IF;
 
-    -- A frozen tenant or bucket: the refusal is stored under the key like any
-    -- answer (read after the freeze lock, so a committed freeze is seen). The
-    -- EXISTS probe only spares the common case a function call; the answer is
-    -- the refusal's own read, since a lift (which takes no lock) may commit
+    -- A cart over a SKU's per-cart limit (each bucket row carries its SKU's
+    -- limit, read above with the bucket), then a frozen tenant or bucket: the
+    -- refusal is stored under the key like any answer. The freeze is read
+    -- after the freeze lock, so a committed freeze is seen. Its EXISTS probe
+    -- only spares the common case a function call; the answer is the
+    -- refusal's own read, since a lift (which takes no lock) may commit
     -- between two statements, and each sees the newest commits.
-    IF EXISTS (SELECT 1 FROM stock_freeze f
+    IF v_limit IS NOT NULL AND p_quantities[1] > v_limit THEN
+        v_outcome := cart_limit_refusal_v1(p_skus, p_quantities, ARRAY[v_limit]);
+    ELSIF v_limits IS NOT NULL AND array_remove(v_limits, NULL) <> '{}' THEN
+        v_outcome := cart_limit_refusal_v1(p_skus, p_quantities, v_limits);
+    END IF;
+    IF v_outcome IS NULL AND EXISTS (SELECT 1 FROM stock_freeze f
                WHERE f.tenant_id = p_tenant AND f.lifted_at IS NULL
                  AND f.bucket_id = ANY (v_buckets || 0::bigint)) THEN
         v_outcome := freeze_refusal_v1(p_tenant, v_buckets);

@@ -16,11 +16,23 @@ DECLARE
     v_view jsonb;
 BEGIN
     PERFORM tenant_require_v1(p_tenant);
-    INSERT INTO stock_bucket (tenant_id, sku, location, on_hand, free, strategy, pool_cap)
-    VALUES (p_tenant, p_sku, p_location, p_on_hand, p_on_hand, coalesce(p_strategy, 'row'),
-            coalesce(p_pool_cap, 1000))
-    ON CONFLICT (tenant_id, sku, location) DO NOTHING
-    RETURNING bucket_id INTO v_bucket;
+    SELECT bucket_id INTO v_bucket FROM stock_bucket
+    WHERE tenant_id = p_tenant AND sku = p_sku AND location = p_location;
+    IF NOT FOUND THEN
+        -- a new bucket carries its SKU's per-cart limit (sku.sql: under the
+        -- SKU's lock, so a limit being set is not missed)
+        PERFORM sku_lock_v1(p_tenant, p_sku);
+        INSERT INTO stock_bucket (tenant_id, sku, location, on_hand, free, strategy, pool_cap,
+                                  cart_limit)
+        VALUES (p_tenant, p_sku, p_location, p_on_hand, p_on_hand, coalesce(p_strategy, 'row'),
+                coalesce(p_pool_cap, 1000),
+                (SELECT s.cart_limit FROM sku_setting s
+                 WHERE s.tenant_id = p_tenant AND s.sku = p_sku))
+        ON CONFLICT (tenant_id, sku, location) DO NOTHING
+        RETURNING bucket_id INTO v_bucket;
+    ELSE
+        v_bucket := NULL;  -- it exists: the update below
+    END IF;
     IF v_bucket IS NOT NULL THEN
         v_before := 0;
         PERFORM pool_replenish_v1(p_tenant, v_bucket, 0, v_now);
