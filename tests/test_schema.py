@@ -47,7 +47,9 @@ async def test_an_installation_in_public_upgrades_into_its_schema_with_its_data(
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE public.shop_order (id int PRIMARY KEY)")
         conn.execute("INSERT INTO public.shop_order VALUES (1)")
-    async with Database(dsn, schema="public") as old:
+    # the release before the schema (migrations 0001-0004) at work; this code's
+    # schema check would refuse a database without the later migrations
+    async with Database(dsn, schema="public", check_schema=False) as old:
         svc = ReservationService(old, batching=False)
         tenant = await svc.create_tenant("acme")
         await svc.set_stock(tenant.id, "sku-1", "wh", 10)
