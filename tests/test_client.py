@@ -95,11 +95,12 @@ def held_units(dsn: str) -> tuple[int, int]:
 
 def test_sync_client_reserve_claim_release_extend_and_stock(server: tuple[str, str]) -> None:
     """The sync client sets and reads stock, holds, extends, claims and releases, each
-    answer typed; a sold-out reserve is an outcome with its short lines."""
+    answer typed; a sold-out reserve is an outcome with its short lines, and the holds,
+    claims and releases leave the line's version where the count put it."""
     base, key = server
     with Client(base, key) as shop:
         assert shop.set_stock("tee", "berlin", 5, strategy="pool") == Stock(
-            "tee", "berlin", 5, 0, 5, Strategy.POOL)
+            "tee", "berlin", 5, 0, 5, Strategy.POOL, version=1)
         out = shop.reserve([("tee", "berlin", 2)], ttl_seconds=60)
         assert out.held and out.reservation is not None and not out.replayed
         rid = out.reservation.id
@@ -116,7 +117,8 @@ def test_sync_client_reserve_claim_release_extend_and_stock(server: tuple[str, s
         assert not short.held and short.short_lines[0].requested == 9
         assert short.short_lines[0].available == 3
         assert shop.reserve([("tee", "berlin", 9)], idempotency_key="big").replayed
-        assert shop.get_stock("tee", "berlin") == Stock("tee", "berlin", 3, 0, 3, Strategy.POOL)
+        assert shop.get_stock("tee", "berlin") == Stock("tee", "berlin", 3, 0, 3, Strategy.POOL,
+                                                        version=1)
 
 
 def test_typed_errors_from_the_problem_codes(server: tuple[str, str]) -> None:

@@ -30,6 +30,7 @@ OPERATION_IDS = {
     "put_stock": "setStock",
     "get_stock": "getStock",
     "adjust_stock": "adjustStock",
+    "list_stock": "listStock",
     "reserve": "createReservation",
     "get_reservation": "getReservation",
     "claim": "claimReservation",
