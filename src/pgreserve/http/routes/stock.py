@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request
+from pydantic import StringConstraints
 from starlette.responses import Response
 
 from ...core.service import DEFAULT_STOCK_PAGE, MAX_STOCK_FILTER, MAX_STOCK_PAGE
@@ -31,6 +32,9 @@ IfMatchHeader = Annotated[str | None, Header(
 IfNoneMatchHeader = Annotated[str | None, Header(
     alias="If-None-Match",
     description="* : create the line only; 412 if it exists.")]
+
+NAME_PATTERN = r"^[^\x00]+$"
+QueryName = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=NAME_PATTERN)]
 
 _ETAG = {"ETag": {"description": 'The line\'s version as a weak entity tag, W/"<version>"',
                   "schema": {"type": "string"}}}
@@ -101,13 +105,15 @@ async def get_stock(location: PathName, sku: PathName, tenant: Tenant,
             summary="This tenant's stock lines in (sku, location) order, a page at a time")
 async def list_stock(
         tenant: Tenant, svc: Service,
-        sku: Annotated[list[str] | None, Query(
+        sku: Annotated[list[QueryName] | None, Query(
             max_length=MAX_STOCK_FILTER,
             description="Only these SKUs (repeat the parameter, at most 100)")] = None,
         sku_prefix: Annotated[str | None, Query(
-            min_length=1, max_length=200, description="Only SKUs starting with this")] = None,
+            min_length=1, max_length=200, pattern=NAME_PATTERN,
+            description="Only SKUs starting with this")] = None,
         location: Annotated[str | None, Query(
-            min_length=1, max_length=200, description="Only this location")] = None,
+            min_length=1, max_length=200, pattern=NAME_PATTERN,
+            description="Only this location")] = None,
         limit: Annotated[int, Query(ge=1, le=MAX_STOCK_PAGE)] = DEFAULT_STOCK_PAGE,
         cursor: Annotated[str | None, Query(
             min_length=1, max_length=4096,
