@@ -78,7 +78,7 @@ async def test_if_match_star_and_if_none_match_star(api: ApiTenant, dsn: str) ->
     assert (await put(api, "s", 9, if_match="*")).status_code == 200
 
 
-@pytest.mark.parametrize("header, value", [
+@pytest.mark.parametrize(("header", "value"), [
     ("If-Match", "3"), ("If-Match", 'W/"1'), ("If-Match", '"1" x'), ("If-None-Match", 'W/"1"'),
 ])
 async def test_malformed_preconditions_are_400(api: ApiTenant, dsn: str, header: str,
