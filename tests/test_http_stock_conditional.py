@@ -117,7 +117,8 @@ async def test_location_on_every_201(app: FastAPI, api: ApiTenant) -> None:
 
 async def test_stock_listing_over_http(api: ApiTenant, other: ApiTenant) -> None:
     """GET /v1/stock pages with limit and next_cursor through every line of this tenant
-    only, with filters; a bad cursor is 400 invalid_cursor, a bad limit 422."""
+    only, with filters; a bad cursor is 400 invalid_cursor, a bad limit or a filter given
+    twice 422."""
     for sku in ["tee-red", "tee-blue", "cap"]:
         for loc in ["berlin", "paris"]:
             await put(api, sku, 3, location=loc)
@@ -141,6 +142,8 @@ async def test_stock_listing_over_http(api: ApiTenant, other: ApiTenant) -> None
     assert len(prefixed.json()["stock"]) == 4 and prefixed.json()["next_cursor"] is None
     assert_problem(await api.client.get("/v1/stock", params={"cursor": "garbage"}), 400,
                    "invalid_cursor")
+    twice = await api.client.get("/v1/stock", params=[("sku_prefix", "a"), ("sku_prefix", "b")])
+    assert_problem(twice, 422, "invalid_request")
     for limit in ("0", "1001", "x"):
         assert_problem(await api.client.get("/v1/stock", params={"limit": limit}), 422,
                        "invalid_request")

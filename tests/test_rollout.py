@@ -537,7 +537,7 @@ async def test_http_api_serves_legacy_mode_behind_the_same_endpoints(
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
                                  headers={"Authorization": f"Bearer {key}"}) as client:
         counted = await client.put("/v1/stock/berlin/tee", json={"on_hand": 2})
-        assert counted.status_code == 200
+        assert counted.status_code == 201  # the count created the line
         received = await client.post("/v1/stock/berlin/tee/adjustments", json={"delta": 1},
                                      headers={"Idempotency-Key": "receipt-1"})
         again = await client.post("/v1/stock/berlin/tee/adjustments", json={"delta": 1},

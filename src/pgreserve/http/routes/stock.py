@@ -8,6 +8,7 @@ from fastapi import APIRouter, Header, Query, Request
 from pydantic import StringConstraints
 from starlette.responses import Response
 
+from ... import errors
 from ...core.service import DEFAULT_STOCK_PAGE, MAX_STOCK_FILTER, MAX_STOCK_PAGE
 from .. import conditional, problems
 from ..dependencies import (
@@ -104,7 +105,7 @@ async def get_stock(location: PathName, sku: PathName, tenant: Tenant,
             responses=problems.responses(400, *COMMON),
             summary="This tenant's stock lines in (sku, location) order, a page at a time")
 async def list_stock(
-        tenant: Tenant, svc: Service,
+        tenant: Tenant, svc: Service, request: Request,
         sku: Annotated[list[QueryName] | None, Query(
             max_length=MAX_STOCK_FILTER,
             description="Only these SKUs (repeat the parameter, at most 100)")] = None,
@@ -118,6 +119,9 @@ async def list_stock(
         cursor: Annotated[str | None, Query(
             min_length=1, max_length=4096,
             description="next_cursor of the previous page")] = None) -> Response:
+    for name in ("sku_prefix", "location", "limit", "cursor"):
+        if len(request.query_params.getlist(name)) > 1:
+            raise errors.InvalidRequest(f"{name} may be given at most once", field=name)
     page = await svc.list_stock(
         tenant, skus=None if sku is None else [stored_name(s, "sku") for s in sku],
         sku_prefix=None if sku_prefix is None else stored_name(sku_prefix, "sku_prefix"),
