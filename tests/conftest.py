@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -97,6 +98,30 @@ async def service(db: Database) -> ReservationService:
 @pytest_asyncio.fixture
 async def tenant(service: ReservationService) -> Tenant:
     return await service.create_tenant("acme")
+
+
+class Clock:
+    """A clock the test moves by hand (`ReservationService(clock=...)`)."""
+
+    def __init__(self) -> None:
+        self.now = datetime(2030, 1, 1, tzinfo=UTC)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def timed(db: Database, clock: Clock) -> ReservationService:
+    """A service whose clock is `clock`."""
+    return ReservationService(db, clock=clock)
 
 
 @pytest.fixture(params=["row", "pool"])

@@ -7,10 +7,9 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import ApiTenant
+from conftest import ApiTenant, Clock
 from pgreserve import Database
 from pgreserve.http import create_app
-from test_lifecycle import Clock
 
 PROBLEM = "application/problem+json"
 

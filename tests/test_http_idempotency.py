@@ -133,13 +133,13 @@ async def test_keyed_extend_replays(api: ApiTenant) -> None:
     rid = (await reserve(api, "k1", CART)).json()["id"]
     other = (await reserve(api, "k2", CART)).json()["id"]
     h = {"Idempotency-Key": "e1"}
-    first = await api.client.post(f"/v1/reservations/{rid}/extend", json={"ttl_seconds": 600},
+    first = await api.client.post(f"/v1/reservations/{rid}/extend", json={"ttl_seconds": 1800},
                                   headers=h)
-    again = await api.client.post(f"/v1/reservations/{rid}/extend", json={"ttl_seconds": 600},
+    again = await api.client.post(f"/v1/reservations/{rid}/extend", json={"ttl_seconds": 1800},
                                   headers=h)
     assert first.status_code == again.status_code == 200
     assert again.content == first.content and again.headers["idempotent-replayed"] == "true"
-    resp = await api.client.post(f"/v1/reservations/{other}/extend", json={"ttl_seconds": 600},
+    resp = await api.client.post(f"/v1/reservations/{other}/extend", json={"ttl_seconds": 1800},
                                  headers=h)
     assert_problem(resp, 422, "idempotency_key_reused")
 
@@ -198,8 +198,8 @@ async def test_concurrent_same_key_across_processes(api: ApiTenant, dsn: str,
 
 async def test_old_keys_are_purged(api: ApiTenant, db: Database) -> None:
     """Keys older than the retention are forgotten by the janitor; newer ones are kept."""
+    from conftest import Clock
     from pgreserve.workers.janitor import Janitor, JanitorConfig
-    from test_lifecycle import Clock
 
     await put_stock(api, "s", 5)
     await reserve(api, "old", CART)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 import pytest
 
-from pgreserve import Database, ReservationService, Status, Tenant
+from conftest import Clock
+from pgreserve import ReservationService, Status, Tenant
 from pgreserve.errors import (
     ReservationClaimed,
     ReservationExpired,
@@ -15,29 +16,6 @@ from pgreserve.errors import (
     UnknownStock,
     WouldOversell,
 )
-
-
-class Clock:
-    """A clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = datetime(2030, 1, 1, tzinfo=UTC)
-
-    def __call__(self) -> datetime:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += timedelta(seconds=seconds)
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def timed(db: Database, clock: Clock) -> ReservationService:
-    return ReservationService(db, clock=clock)
 
 
 async def assert_invariants(service: ReservationService) -> None:

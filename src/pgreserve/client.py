@@ -28,7 +28,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import httpx
 
@@ -36,7 +36,8 @@ from . import errors
 from .domain import Line, Reservation, ReserveOutcome, ShortLine, Strategy
 from .http import problems  # noqa: F401 - defines the HTTP-only error classes mapped below
 
-__all__ = ["ApiError", "AsyncClient", "Client", "Stock", "StockPage"]
+__all__ = ["ApiError", "AsyncClient", "Client", "LocationAvailability", "SkuAvailability", "Stock",
+           "StockPage"]
 
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_RETRIES = 4
@@ -87,6 +88,38 @@ class StockPage:
         cursor = doc.get("next_cursor")
         return cls(tuple(Stock.from_json(x) for x in doc["stock"]),
                    None if cursor is None else str(cursor))
+
+
+@dataclass(frozen=True)
+class LocationAvailability:
+    location: str
+    on_hand: int
+    reserved: int
+    available: int
+
+
+@dataclass(frozen=True)
+class SkuAvailability:
+    """A SKU per location and in total, as `GET /v1/availability` shows it."""
+
+    sku: str
+    known: bool
+    on_hand: int
+    reserved: int
+    available: int
+    locations: tuple[LocationAvailability, ...]
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> SkuAvailability:
+        return cls(str(doc["sku"]), bool(doc["known"]), int(doc["on_hand"]),
+                   int(doc["reserved"]), int(doc["available"]),
+                   tuple(LocationAvailability(str(x["location"]), int(x["on_hand"]),
+                                              int(x["reserved"]), int(x["available"]))
+                         for x in doc["locations"]))
+
+
+def _availabilities(doc: Mapping[str, Any]) -> list[SkuAvailability]:
+    return [SkuAvailability.from_json(item) for item in doc["items"]]
 
 
 def _error_classes() -> dict[str, type[errors.PgReserveError]]:
@@ -239,6 +272,14 @@ class _Base:
         return _Call("POST", _path("v1", "reservations", reservation_id, action), body,
                      _new_key(key))
 
+    @classmethod
+    def _extend(cls, reservation_id: str, ttl_seconds: int, key: str | None,
+                allow_shorten: bool) -> _Call:
+        body: dict[str, Any] = {"ttl_seconds": ttl_seconds}
+        if allow_shorten:
+            body["allow_shorten"] = True
+        return cls._transition("extend", reservation_id, key, body)
+
     @staticmethod
     def _get_reservation(reservation_id: str) -> _Call:
         return _Call("GET", _path("v1", "reservations", reservation_id))
@@ -246,6 +287,11 @@ class _Base:
     @staticmethod
     def _get_stock(sku: str, location: str) -> _Call:
         return _Call("GET", _path("v1", "stock", location, sku))
+
+    @staticmethod
+    def _availability(skus: Iterable[str], locations: Iterable[str] | None) -> _Call:
+        query = [("sku", sku) for sku in skus] + [("location", loc) for loc in locations or ()]
+        return _Call("GET", "/v1/availability?" + urlencode(query))
 
     @staticmethod
     def _set_stock(sku: str, location: str, on_hand: int, strategy: Strategy | str | None,
@@ -338,15 +384,22 @@ class Client(_Base):
                                                         idempotency_key)))
 
     def extend(self, reservation_id: str, ttl_seconds: int, *,
-               idempotency_key: str | None = None) -> Reservation:
-        return _reservation(self._send(self._transition(
-            "extend", reservation_id, idempotency_key, {"ttl_seconds": ttl_seconds})))
+               idempotency_key: str | None = None, allow_shorten: bool = False) -> Reservation:
+        """A new time to live from now; ExtendWouldShorten if that ends the hold sooner than
+        now, unless `allow_shorten`."""
+        return _reservation(self._send(self._extend(reservation_id, ttl_seconds,
+                                                    idempotency_key, allow_shorten)))
 
     def get_reservation(self, reservation_id: str) -> Reservation:
         return _reservation(self._send(self._get_reservation(reservation_id)))
 
     def get_stock(self, sku: str, location: str) -> Stock:
         return Stock.from_json(self._send(self._get_stock(sku, location)).json())
+
+    def availability(self, skus: Iterable[str],
+                     locations: Iterable[str] | None = None) -> list[SkuAvailability]:
+        """Each SKU per location and in total, from one snapshot (at most 100 SKUs)."""
+        return _availabilities(self._send(self._availability(skus, locations)).json())
 
     def set_stock(self, sku: str, location: str, on_hand: int, *,
                   strategy: Strategy | str | None = None, if_match: str | int | None = None,
@@ -438,15 +491,23 @@ class AsyncClient(_Base):
                                                               idempotency_key)))
 
     async def extend(self, reservation_id: str, ttl_seconds: int, *,
-                     idempotency_key: str | None = None) -> Reservation:
-        return _reservation(await self._send(self._transition(
-            "extend", reservation_id, idempotency_key, {"ttl_seconds": ttl_seconds})))
+                     idempotency_key: str | None = None,
+                     allow_shorten: bool = False) -> Reservation:
+        """A new time to live from now; ExtendWouldShorten if that ends the hold sooner than
+        now, unless `allow_shorten`."""
+        return _reservation(await self._send(self._extend(reservation_id, ttl_seconds,
+                                                          idempotency_key, allow_shorten)))
 
     async def get_reservation(self, reservation_id: str) -> Reservation:
         return _reservation(await self._send(self._get_reservation(reservation_id)))
 
     async def get_stock(self, sku: str, location: str) -> Stock:
         return Stock.from_json((await self._send(self._get_stock(sku, location))).json())
+
+    async def availability(self, skus: Iterable[str],
+                           locations: Iterable[str] | None = None) -> list[SkuAvailability]:
+        """Each SKU per location and in total, from one snapshot (at most 100 SKUs)."""
+        return _availabilities((await self._send(self._availability(skus, locations))).json())
 
     async def set_stock(self, sku: str, location: str, on_hand: int, *,
                         strategy: Strategy | str | None = None,

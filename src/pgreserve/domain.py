@@ -8,6 +8,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 MAX_LINES = 100
+# SKUs (and locations) one availability query may name
+MAX_AVAILABILITY_NAMES = 100
 MAX_QUANTITY = 1_000_000
 # on_hand and a stock delta: exact as JSON numbers, and no sum of them overflows bigint
 MAX_ON_HAND = 2**53
@@ -211,6 +213,30 @@ class StockPage:
 
     stock: tuple[StockView, ...]
     next_cursor: str | None
+
+
+@dataclass(frozen=True)
+class Availability:
+    """One SKU across its locations, every figure read at one instant."""
+
+    sku: str
+    locations: tuple[StockView, ...]  # by location; empty when the SKU has no stock line
+
+    @property
+    def known(self) -> bool:
+        return bool(self.locations)
+
+    @property
+    def on_hand(self) -> int:
+        return sum(v.on_hand for v in self.locations)
+
+    @property
+    def reserved(self) -> int:
+        return sum(v.reserved for v in self.locations)
+
+    @property
+    def available(self) -> int:
+        return sum(v.available for v in self.locations)
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,13 @@ class ReservationNotActive(PgReserveError):
     code = "reservation_not_active"
 
 
+class ExtendWouldShorten(PgReserveError):
+    """An extend asked for an expiry sooner than the reservation's current one without
+    `allow_shorten`; nothing changed."""
+
+    code = "extend_would_shorten"
+
+
 class Busy(PgReserveError):
     """The work could not be started or finished in time (no connection free before the
     deadline, a lock or statement timeout, retries ran out) and nothing was committed:

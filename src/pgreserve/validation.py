@@ -11,7 +11,16 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
-from .domain import MAX_LINES, MAX_NAME, MAX_QUANTITY, MAX_TTL, MIN_TTL, Line, Strategy
+from .domain import (
+    MAX_AVAILABILITY_NAMES,
+    MAX_LINES,
+    MAX_NAME,
+    MAX_QUANTITY,
+    MAX_TTL,
+    MIN_TTL,
+    Line,
+    Strategy,
+)
 from .errors import InvalidRequest
 
 
@@ -25,6 +34,26 @@ def name(value: Any, field: str) -> str:
     if "\x00" in value:
         raise InvalidRequest(f"{field} must not contain NUL characters", field=field)
     _encodable(value, field)
+    return value
+
+
+def names(values: Any, field: str, most: int = MAX_AVAILABILITY_NAMES) -> list[str]:
+    """A non-empty list of at most `most` names, each checked like `name`; repeats are
+    dropped, the first occurrence keeps its place."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise InvalidRequest(f"{field} must be a list of names", field=field)
+    seen = dict.fromkeys(name(v, field) for v in values)
+    if not seen:
+        raise InvalidRequest(f"name at least one {field}", field=field)
+    if len(seen) > most:
+        raise InvalidRequest(f"at most {most} different {field} values per call", field=field)
+    return list(seen)
+
+
+def flag(value: Any, field: str) -> bool:
+    """A yes/no option: True or False only (never 1, "yes" or None)."""
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"{field} must be true or false", field=field)
     return value
 
 

@@ -32,6 +32,7 @@ from ..domain import (
     DEFAULT_TTL,
     MAX_ON_HAND,
     ApiKeyInfo,
+    Availability,
     Event,
     EventPage,
     Freeze,
@@ -81,6 +82,7 @@ OPS: dict[str, Op] = {op.action: op for op in (
     Op("stock", "stock_adjust", "POST /v1/stock/{location}/{sku}/adjustments"),
     Op("api", "stock_get", "GET /v1/stock/{location}/{sku}"),
     Op("api", "stock_list", "GET /v1/stock"),
+    Op("api", "availability", "GET /v1/availability"),
     Op("reserve", "reserve", "POST /v1/reservations"),
     Op("claim", "claim", "POST /v1/reservations/{id}/claim"),
     Op("release", "release", "POST /v1/reservations/{id}/release"),
@@ -391,6 +393,32 @@ class ReservationService:
                                detail=[{"sku": sku, "location": location}])
         return StockView.from_json(rows[0][0])
 
+    async def availability(self, tenant: int, skus: Iterable[str],
+                           locations: Iterable[str] | None = None) -> list[Availability]:
+        """Each SKU's stock per location and in total, all read in one snapshot.
+
+        One entry per SKU asked for (repeats dropped), in the order asked; a SKU
+        without a stock line comes back with no locations (`known` False).
+        `locations` narrows the answer to those locations. At most
+        MAX_AVAILABILITY_NAMES SKUs and as many locations per call.
+        """
+        tenant = check.tenant_id(tenant)
+        wanted = check.names(skus, "sku")
+        where = None if locations is None else check.names(locations, "location")
+        rows = await self.db.fetch(
+            queries["availability_list"],
+            (self.clock(), tenant, lit.text_array(wanted), None if where is None
+             else lit.text_array(where), None if where is None else lit.text_array(where)),
+            op=OPS["availability"],
+        )
+        if not rows:
+            await self._require_tenant(tenant)
+        found: dict[str, list[StockView]] = {sku: [] for sku in wanted}
+        for (doc,) in rows:
+            view = StockView.from_json(doc)
+            found[view.sku].append(view)
+        return [Availability(sku, tuple(views)) for sku, views in found.items()]
+
     # -- reservations --------------------------------------------------------
 
     async def reserve(self, tenant: int, request_key: str, lines: Iterable[Any], *,
@@ -457,21 +485,27 @@ class ReservationService:
                                       reservation_id)
 
     async def extend(self, tenant: int, reservation_id: str | uuid.UUID,
-                     ttl: timedelta | float, *, request_key: str | None = None) -> Reservation:
+                     ttl: timedelta | float, *, request_key: str | None = None,
+                     allow_shorten: bool = False) -> Reservation:
         """Give an active reservation a new time to live, counted from now.
 
-        With a request key the first answer is stored and replayed for the same
-        key, so a retried extend does not push the expiry again.
+        A time to live that would end the hold sooner than it ends now raises
+        ExtendWouldShorten (nothing changes) unless `allow_shorten`. With a
+        request key the first answer is stored and replayed for the same key,
+        so a retried extend does not push the expiry again.
         """
+        shorten = check.flag(allow_shorten, "allow_shorten")
         if request_key is not None:
-            return await self._keyed(tenant, request_key, "extend", reservation_id, ttl)
+            return await self._keyed(tenant, request_key, "extend", reservation_id, ttl,
+                                     shorten)
         tenant = check.tenant_id(tenant)
         rid = _reservation_id(reservation_id)
         life = check.ttl(ttl)
         started = perf_counter()
         try:
             doc = await self.db.call(queries["reservation_extend"],
-                                     (tenant, rid, life, self.clock()), op=OPS["extend"])
+                                     (tenant, rid, life, shorten, self.clock()),
+                                     op=OPS["extend"])
         except Exception as exc:
             self._observe("extend", _failure(exc), started)
             raise
@@ -479,7 +513,8 @@ class ReservationService:
         return Reservation.from_json(doc)
 
     async def _keyed(self, tenant: int, request_key: str, operation: str,
-                     reservation_id: str | uuid.UUID, ttl: timedelta | float | None) -> Reservation:
+                     reservation_id: str | uuid.UUID, ttl: timedelta | float | None,
+                     shorten: bool = False) -> Reservation:
         tenant = check.tenant_id(tenant)
         key = check.request_key(request_key)
         rid = _reservation_id(reservation_id)
@@ -487,11 +522,14 @@ class ReservationService:
         params: dict[str, Any] = {"id": str(rid)}
         if life is not None:
             params["ttl_ms"] = int(life.total_seconds() * 1000)
+        if shorten:  # (absent when false: keys stored before the flag existed still match)
+            params["shorten"] = True
         started = perf_counter()
         try:
             doc = await self.db.call(
                 queries["reservation_transition_keyed"],
-                (tenant, key, operation, digest(operation, params), rid, life, self.clock()),
+                (tenant, key, operation, digest(operation, params), rid, life, shorten,
+                 self.clock()),
                 op=OPS[operation],
             )
         except Exception as exc:

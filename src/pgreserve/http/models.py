@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictStr
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictStr,
+)
 
 from ..domain import MAX_LINES, MAX_NAME, MAX_QUANTITY, Reservation, StockView, Webhook
 from ..validation import URL_PATTERN
@@ -80,6 +88,9 @@ class ReserveIn(Strict):
 
 class ExtendIn(Strict):
     ttl_seconds: TtlSeconds
+    allow_shorten: StrictBool = Field(
+        default=False, description="allow a time to live that ends the hold sooner than now "
+                                   "(otherwise 409 extend_would_shorten)")
 
 
 class WebhookIn(Strict):
@@ -107,6 +118,26 @@ class StockPageOut(BaseModel):
     stock: list[StockOut]
     next_cursor: str | None = Field(description=(
         "Pass as cursor for the next page; null on the last page"))
+
+
+class LocationAvailabilityOut(BaseModel):
+    location: str
+    on_hand: int
+    reserved: int
+    available: int
+
+
+class SkuAvailabilityOut(BaseModel):
+    sku: str
+    known: bool = Field(description="false when the SKU has no stock line (at these locations)")
+    on_hand: int
+    reserved: int
+    available: int = Field(description="the sum over `locations`")
+    locations: list[LocationAvailabilityOut]
+
+
+class AvailabilityOut(BaseModel):
+    items: list[SkuAvailabilityOut] = Field(description="one per SKU asked for, in that order")
 
 
 class LineOut(BaseModel):

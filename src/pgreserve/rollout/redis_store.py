@@ -138,7 +138,8 @@ redis.call('ZREM', KEYS[3], ARGV[2])
 return outcome
 """
 
-# KEYS: hold, rec, deadlines; ARGV: id, ttl_ms, retention_ms
+# KEYS: hold, rec, deadlines; ARGV: id, ttl_ms, retention_ms, asked_ms ('' allows a
+# sooner end: without it a hold that would then end before it ends now is left alone)
 _EXTEND = """
 local status = redis.call('HGET', KEYS[2], 'status')
 if not status then return 'missing' end
@@ -146,6 +147,11 @@ if status ~= 'held' or redis.call('EXISTS', KEYS[1]) == 0 then return 'not_activ
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local expires = now + tonumber(ARGV[2])
+if ARGV[4] ~= '' then
+  if now + tonumber(ARGV[4]) < tonumber(redis.call('HGET', KEYS[2], 'expires')) then
+    return 'would_shorten'
+  end
+end
 redis.call('SET', KEYS[1], '1', 'PX', ARGV[2])
 redis.call('HSET', KEYS[2], 'expires', expires)
 redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[2]) + tonumber(ARGV[3]))
@@ -350,16 +356,25 @@ class RedisHoldStore:
         return await self._after(tenant, hold_id, replayed=record.status != "held")
 
     @_answered
-    async def extend(self, tenant: int, hold_id: str, ttl: timedelta) -> Reservation:
-        """A new time to live, counted from now, for a hold that is still live."""
+    async def extend(self, tenant: int, hold_id: str, ttl: timedelta, *,
+                     asked: timedelta | None = None) -> Reservation:
+        """A new time to live, counted from now, for a hold that is still live. With
+        `asked`, a hold that would then end sooner than it ends now (judged by `asked`, the
+        caller's time to live, which may be longer than `ttl`) is left as it is:
+        ExtendWouldShorten."""
         await self._known(tenant, hold_id)
         outcome = _text(await self._extend(
             keys=[self.key(tenant, "hold", hold_id), self.key(tenant, "rec", hold_id),
                   self.key(tenant, "deadlines")],
             args=[hold_id, int(ttl.total_seconds() * 1000),
-                  int(RETENTION.total_seconds() * 1000)]))
+                  int(RETENTION.total_seconds() * 1000),
+                  "" if asked is None else int(asked.total_seconds() * 1000)]))
         if outcome == "missing":
             raise errors.ReservationNotFound(f"unknown reservation {hold_id}")
+        if outcome == "would_shorten" and asked is not None:
+            raise errors.ExtendWouldShorten(
+                f"reservation {hold_id} ends later than {asked.total_seconds():g} s from now; "
+                "set allow_shorten to end it sooner")
         if outcome != "held":
             raise errors.ReservationNotActive(f"reservation {hold_id} is not active")
         return await self._after(tenant, hold_id, replayed=False)

@@ -315,24 +315,28 @@ class Rollout:
         return await self.service.get_reservation(tenant, reservation_id)
 
     async def extend(self, tenant: int, reservation_id: str | uuid.UUID,
-                     ttl: timedelta | float, *, request_key: str | None = None) -> Reservation:
-        """A new time to live for an active hold, in the store(s) of the mode it was taken in."""
+                     ttl: timedelta | float, *, request_key: str | None = None,
+                     allow_shorten: bool = False) -> Reservation:
+        """A new time to live for an active hold, in the store(s) of the mode it was taken in
+        (never sooner than it ends now unless `allow_shorten`, in either store)."""
         return await self._finish("extend", tenant, reservation_id, request_key,
-                                  check.ttl(ttl))
+                                  check.ttl(ttl), check.flag(allow_shorten, "allow_shorten"))
 
     def _pg(self, action: str, tenant: int, reservation_id: str | uuid.UUID,
-            request_key: str | None, ttl: timedelta | None = None) -> Awaitable[Reservation]:
+            request_key: str | None, ttl: timedelta | None = None,
+            shorten: bool = False) -> Awaitable[Reservation]:
         if action == "extend":
             return self.service.extend(tenant, reservation_id, _needed(ttl),
-                                       request_key=request_key)
+                                       request_key=request_key, allow_shorten=shorten)
         run = self.service.claim if action == "claim" else self.service.release
         return run(tenant, reservation_id, request_key=request_key)
 
     async def _finish(self, action: str, tenant: int, reservation_id: str | uuid.UUID,
-                      request_key: str | None, ttl: timedelta | None = None) -> Reservation:
+                      request_key: str | None, ttl: timedelta | None = None,
+                      shorten: bool = False) -> Reservation:
         entry = await self.modes.get(tenant)
         if not entry.redis_may_hold(utcnow()):
-            return await self._pg(action, tenant, reservation_id, request_key, ttl)
+            return await self._pg(action, tenant, reservation_id, request_key, ttl, shorten)
         tenant = check.tenant_id(tenant)
         try:
             record = await self.store.record(tenant, str(reservation_id))
@@ -341,23 +345,27 @@ class Rollout:
                 raise
             # Redis is the secondary store now: pgreserve answers without it
             self.metrics.secondary_failures.labels("legacy", action).inc()
-            return await self._pg(action, tenant, reservation_id, request_key, ttl)
+            return await self._pg(action, tenant, reservation_id, request_key, ttl, shorten)
         if record is None or record.mode == Mode.PGRESERVE.value:
-            return await self._pg(action, tenant, reservation_id, request_key, ttl)
+            return await self._pg(action, tenant, reservation_id, request_key, ttl, shorten)
         self.recorder.request(tenant)
         mode = Mode(record.mode)
+        # what Redis judges "sooner than now" by: the caller's time to live, not the
+        # clamped one below (None: the caller allows a shorter hold)
+        asked = None if shorten else ttl
         if ttl is not None and entry.redis_until is not None:
             # a Redis hold may not outlive the time its tenant's claims still look there
             # (less a margin for the clocks of this host, the database and Redis)
             ttl = max(MIN_TTL, min(ttl, entry.redis_until - utcnow() - CLOCK_MARGIN))
         if mode is Mode.LEGACY:
-            return await self.legacy_finish(action, tenant, record, ttl=ttl)
+            return await self.legacy_finish(action, tenant, record, ttl=ttl, asked=asked)
         compared_key = request_key or record.id
         async with self.locks.hold(tenant, record.lines):
             if mode is Mode.SHADOW:
                 started = perf_counter()
                 try:
-                    legacy = await self.legacy_finish(action, tenant, record, ttl=ttl)
+                    legacy = await self.legacy_finish(action, tenant, record, ttl=ttl,
+                                                      asked=asked)
                 except Exception as exc:
                     legacy_ms = _ms(started)
                     # Redis refused the claim (its hold expired or was released): the caller
@@ -365,61 +373,64 @@ class Rollout:
                     twin = "release" if action == "claim" and isinstance(
                         exc, (ReservationExpired, ReservationReleased)) else action
                     out, pg_ms = await self._pg_finish(twin, tenant, record.pg_id, request_key,
-                                                       ttl)
+                                                       ttl, shorten)
                     self._compare(tenant, mode, action, compared_key, error_outcome(exc), out,
                                   legacy_ms, pg_ms)
                     raise
                 legacy_ms = _ms(started)
                 out, pg_ms = await self._pg_finish(action, tenant, record.pg_id, request_key,
-                                                       ttl)
+                                                   ttl, shorten)
                 self._compare(tenant, mode, action, compared_key, transition_outcome(legacy),
                               out, legacy_ms, pg_ms)
                 return legacy
             started = perf_counter()
             try:
-                pg = await self._pg(action, tenant, reservation_id, request_key, ttl)
+                pg = await self._pg(action, tenant, reservation_id, request_key, ttl, shorten)
             except Exception as exc:
                 pg_ms = _ms(started)
                 # pgreserve refused the claim (expired or released): Redis gives back too
                 twin = "release" if action == "claim" and isinstance(
                     exc, (ReservationExpired, ReservationReleased)) else action
                 legacy_out, legacy_ms = await self._legacy_secondary(twin, tenant, record,
-                                                                    ttl)
+                                                                    ttl, asked)
                 self._compare(tenant, mode, action, compared_key, legacy_out,
                               error_outcome(exc), legacy_ms, pg_ms)
                 raise
             pg_ms = _ms(started)
             legacy_out, legacy_ms = await self._legacy_secondary(action, tenant, record,
-                                                                    ttl)
+                                                                 ttl, asked)
             self._compare(tenant, mode, action, compared_key, legacy_out,
                           transition_outcome(pg), legacy_ms, pg_ms)
             return pg
 
     async def _pg_finish(self, action: str, tenant: int, pg_id: str | None,
-                         request_key: str | None,
-                         ttl: timedelta | None) -> tuple[dict[str, Any], float]:
+                         request_key: str | None, ttl: timedelta | None,
+                         shorten: bool) -> tuple[dict[str, Any], float]:
         started = perf_counter()
         try:
             if pg_id is None or pg_id == FROZEN_LINK:
                 raise ReservationNotFound("pgreserve has no reservation beside this hold")
-            done = await self._pg(action, tenant, pg_id, request_key, ttl)
+            done = await self._pg(action, tenant, pg_id, request_key, ttl, shorten)
         except Exception as exc:  # noqa: BLE001 - the secondary side never fails the caller
             self.metrics.secondary_failures.labels("pgreserve", action).inc()
             return error_outcome(exc), _ms(started)
         return transition_outcome(done), _ms(started)
 
     async def _legacy_secondary(self, action: str, tenant: int, record: HoldRecord,
-                                ttl: timedelta | None) -> tuple[dict[str, Any], float]:
+                                ttl: timedelta | None,
+                                asked: timedelta | None) -> tuple[dict[str, Any], float]:
         started = perf_counter()
         try:
-            done = await self.legacy_finish(action, tenant, record, ttl=ttl, ledger=False)
+            done = await self.legacy_finish(action, tenant, record, ttl=ttl, asked=asked,
+                                            ledger=False)
         except Exception as exc:  # noqa: BLE001 - the secondary side never fails the caller
             self.metrics.secondary_failures.labels("legacy", action).inc()
             return error_outcome(exc), _ms(started)
         return transition_outcome(done), _ms(started)
 
     async def legacy_finish(self, action: str, tenant: int, record: HoldRecord, *,
-                            ttl: timedelta | None = None, ledger: bool = True,
+                            ttl: timedelta | None = None, asked: timedelta | None = None,
+                            ledger: bool = True,
                             ledger_first: bool = False,
                             between: Callable[[], Awaitable[None]] | None = None) -> Reservation:
         """The legacy design's claim, release or extend: Redis, and for a claim the sale
@@ -427,7 +438,7 @@ class Rollout:
         with `ledger_first`; not when pgreserve keeps the ledger, `ledger=False`).
         `between` runs between the two writes."""
         if action == "extend":
-            return await self.store.extend(tenant, record.id, _needed(ttl))
+            return await self.store.extend(tenant, record.id, _needed(ttl), asked=asked)
         if action != "claim":
             return await self.store.release(tenant, record.id)
         if not ledger:  # pgreserve keeps the ledger (primary mode) and sold the units

@@ -1,8 +1,8 @@
 """One APIRouter per resource, included by create_app in this order (the OpenAPI order)."""
 
-from . import events, operations, requests, reservations, stock, webhooks
+from . import availability, events, operations, requests, reservations, stock, webhooks
 
-ROUTERS = (stock.router, reservations.router, requests.router, events.router,
+ROUTERS = (stock.router, availability.router, reservations.router, requests.router, events.router,
            webhooks.router, operations.router)
 
 __all__ = ["ROUTERS"]

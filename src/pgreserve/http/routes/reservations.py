@@ -116,5 +116,6 @@ async def extend(reservation_id: str, body: ExtendIn, caller: Authenticated,
                  idempotency_key: KeyHeader = None) -> Response:
     return await transition(
         "extend", lambda key: caller.holds.extend(caller.tenant, reservation_id,
-                                                    body.ttl_seconds, request_key=key),
+                                                    body.ttl_seconds, request_key=key,
+                                                    allow_shorten=body.allow_shorten),
         caller, idempotency_key)

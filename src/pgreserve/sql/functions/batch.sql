@@ -10,7 +10,7 @@
 -- once, after every other request of the batch is written.
 -- Element i of the result is request i's own answer:
 --   {"ok": doc}        the document reserve_v1 / claim_v1 / release_v1 (or,
---                      under a request key, transition_keyed_v1) returns
+--                      under a request key, transition_keyed_v2) returns
 --   {"error": code, "message": text, "detail": ...}   a typed failure (PR4xx),
 --                      nothing written for that request
 --   {"retry": true}    not decidable here (a reservation of several lines, a

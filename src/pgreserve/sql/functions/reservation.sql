@@ -420,8 +420,11 @@ BEGIN
     RETURN v_view;
 END $$;
 
-CREATE OR REPLACE FUNCTION extend_v1(p_tenant bigint, p_id uuid, p_ttl interval,
-                          p_now timestamptz DEFAULT NULL)
+-- A new time to live for an active reservation, counted from now. An extend
+-- that would end the hold sooner than it ends now is refused (PR427) unless
+-- p_shorten asks for exactly that.
+CREATE OR REPLACE FUNCTION extend_v2(p_tenant bigint, p_id uuid, p_ttl interval,
+                          p_shorten boolean, p_now timestamptz DEFAULT NULL)
 RETURNS jsonb LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
 SET enable_seqscan = off
@@ -435,6 +438,11 @@ BEGIN
         RAISE EXCEPTION 'reservation % is not active', p_id USING ERRCODE = 'PR426',
             DETAIL = CASE WHEN v_res.status = 'active' THEN 'expired' ELSE v_res.status END;
     END IF;
+    IF NOT p_shorten AND v_now + p_ttl < v_res.expires_at THEN
+        RAISE EXCEPTION 'reservation % expires at %, later than % from now; '
+                        'set allow_shorten to end it sooner', p_id, v_res.expires_at, p_ttl
+            USING ERRCODE = 'PR427', DETAIL = v_res.expires_at::text;
+    END IF;
     -- Lines carry expires_at too (the reserve path reclaims by line); the
     -- header lock is held, so no claim or release interleaves.
     UPDATE reservation_line SET expires_at = v_now + p_ttl
@@ -443,6 +451,12 @@ BEGIN
     WHERE tenant_id = p_tenant AND reservation_id = p_id;
     RETURN reservation_view_v1(p_tenant, p_id, v_now);
 END $$;
+
+-- (kept for processes of the previous release during an upgrade: an extend
+-- that may shorten, as extends were then)
+CREATE OR REPLACE FUNCTION extend_v1(p_tenant bigint, p_id uuid, p_ttl interval,
+                          p_now timestamptz DEFAULT NULL)
+RETURNS jsonb LANGUAGE sql AS $$ SELECT extend_v2(p_tenant, p_id, p_ttl, true, p_now) $$;
 
 -- The sweeper: expire up to p_batch due reservations in one transaction.
 -- Headers are taken with SKIP LOCKED (several sweepers run at once; the
@@ -518,9 +532,9 @@ END $$;
 -- same key replays the first answer (even for extend, which is not idempotent
 -- by state), and the same key with other parameters raises PR422. A failed
 -- transition (PR4xx) rolls back and stores nothing.
-CREATE OR REPLACE FUNCTION transition_keyed_v1(p_tenant bigint, p_key text, p_operation text,
+CREATE OR REPLACE FUNCTION transition_keyed_v2(p_tenant bigint, p_key text, p_operation text,
                                     p_digest text, p_id uuid, p_ttl interval,
-                                    p_now timestamptz DEFAULT NULL)
+                                    p_shorten boolean, p_now timestamptz DEFAULT NULL)
 RETURNS jsonb LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
 SET enable_seqscan = off
@@ -537,7 +551,7 @@ BEGIN
     v_view := CASE p_operation
         WHEN 'claim' THEN claim_v1(p_tenant, p_id, p_now)
         WHEN 'release' THEN release_v1(p_tenant, p_id, p_now)
-        WHEN 'extend' THEN extend_v1(p_tenant, p_id, p_ttl, p_now)
+        WHEN 'extend' THEN extend_v2(p_tenant, p_id, p_ttl, p_shorten, p_now)
     END;
     IF v_view IS NULL THEN
         RAISE EXCEPTION 'unknown operation %', p_operation USING ERRCODE = 'invalid_parameter_value';
@@ -546,3 +560,11 @@ BEGIN
     PERFORM ledger_record_v1(p_tenant, p_key, p_operation, p_digest, 'succeeded', v_outcome);
     RETURN v_outcome;
 END $$;
+
+-- (kept for processes of the previous release during an upgrade)
+CREATE OR REPLACE FUNCTION transition_keyed_v1(p_tenant bigint, p_key text, p_operation text,
+                                    p_digest text, p_id uuid, p_ttl interval,
+                                    p_now timestamptz DEFAULT NULL)
+RETURNS jsonb LANGUAGE sql AS $$
+    SELECT transition_keyed_v2(p_tenant, p_key, p_operation, p_digest, p_id, p_ttl, true, p_now)
+$$;

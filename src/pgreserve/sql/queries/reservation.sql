@@ -11,11 +11,11 @@ SELECT claim_v1(%s, %s, %s);
 SELECT release_v1(%s, %s, %s);
 
 -- name: reservation_extend
-SELECT extend_v1(%s, %s, %s, %s);
+SELECT extend_v2(%s, %s, %s, %s, %s);
 
 -- name: reservation_transition_keyed
 -- claim, release or extend under a request key: the first answer is stored and replayed.
-SELECT transition_keyed_v1(%s, %s, %s, %s, %s, %s, %s);
+SELECT transition_keyed_v2(%s, %s, %s, %s, %s, %s, %s, %s);
 
 -- name: reservation_view
 SELECT reservation_view_v1(%s, %s, coalesce(%s, clock_timestamp()));
