@@ -352,9 +352,10 @@ class Client(_Base):
         while True:
             response: httpx.Response | None = None
             try:
+                # params None: httpx would replace a query string already in the path
                 response = self._http.request(call.method, call.path, json=call.body,
                                               headers=call.headers(),
-                                              params=list(call.params))
+                                              params=list(call.params) or None)
                 if not _retryable(response) or attempt >= self.retries:
                     return self._result(call, response)
             except httpx.TransportError:
@@ -459,7 +460,7 @@ class AsyncClient(_Base):
             try:
                 response = await self._http.request(call.method, call.path, json=call.body,
                                                     headers=call.headers(),
-                                                    params=list(call.params))
+                                                    params=list(call.params) or None)
                 if not _retryable(response) or attempt >= self.retries:
                     return self._result(call, response)
             except httpx.TransportError:
