@@ -66,7 +66,7 @@ async def make_api(dsn: str, settings: TxSettings, pool: int,
                                   headers={"Authorization": f"Bearer {key_b}"}) as b:
             for client, sku in ((a, "a"), (a, "b"), (a, "c"), (b, "other")):
                 resp = await client.put(f"/v1/stock/w/{sku}", json={"on_hand": 5})
-                assert resp.status_code == 200
+                assert resp.status_code == 201  # the PUT created the line
                 # one hold each: every bucket id is then cached (no lookup needs a connection)
                 resp = await reserve(client, f"warm-{sku}", sku)
                 assert resp.status_code == 201, resp.text

@@ -60,7 +60,7 @@ def test_up_tenant_create_reserve_and_sigterm() -> None:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=headers,
                           timeout=30) as client:
             assert client.get("/healthz").json() == {"status": "ok"}
-            assert client.put("/v1/stock/wh/sku-1", json={"on_hand": 5}).status_code == 200
+            assert client.put("/v1/stock/wh/sku-1", json={"on_hand": 5}).status_code == 201
             resp = client.post("/v1/reservations", headers={"Idempotency-Key": "order-1"},
                                json={"lines": [{"sku": "sku-1", "location": "wh",
                                                 "quantity": 2}]})

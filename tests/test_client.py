@@ -95,11 +95,12 @@ def held_units(dsn: str) -> tuple[int, int]:
 
 def test_sync_client_reserve_claim_release_extend_and_stock(server: tuple[str, str]) -> None:
     """The sync client sets and reads stock, holds, extends, claims and releases, each
-    answer typed; a sold-out reserve is an outcome with its short lines."""
+    answer typed; a sold-out reserve is an outcome with its short lines, and the holds,
+    claims and releases leave the line's version where the count put it."""
     base, key = server
     with Client(base, key) as shop:
         assert shop.set_stock("tee", "berlin", 5, strategy="pool") == Stock(
-            "tee", "berlin", 5, 0, 5, Strategy.POOL)
+            "tee", "berlin", 5, 0, 5, Strategy.POOL, version=1)
         out = shop.reserve([("tee", "berlin", 2)], ttl_seconds=60)
         assert out.held and out.reservation is not None and not out.replayed
         rid = out.reservation.id
@@ -116,7 +117,8 @@ def test_sync_client_reserve_claim_release_extend_and_stock(server: tuple[str, s
         assert not short.held and short.short_lines[0].requested == 9
         assert short.short_lines[0].available == 3
         assert shop.reserve([("tee", "berlin", 9)], idempotency_key="big").replayed
-        assert shop.get_stock("tee", "berlin") == Stock("tee", "berlin", 3, 0, 3, Strategy.POOL)
+        assert shop.get_stock("tee", "berlin") == Stock("tee", "berlin", 3, 0, 3, Strategy.POOL,
+                                                        version=1)
 
 
 def test_typed_errors_from_the_problem_codes(server: tuple[str, str]) -> None:
@@ -287,3 +289,47 @@ def test_which_answers_are_retried(status: int, body: dict[str, str] | None,
 
     response = httpx.Response(status, json=body) if body else httpx.Response(status)
     assert _retryable(response) is retry
+
+
+def test_sync_client_conditional_counts_and_listing(server: tuple[str, str]) -> None:
+    """The sync client's set_stock sends if_match (an ETag or a version) and create_only,
+    a stale one raises PreconditionFailed and changes nothing; list_stock pages and
+    iter_stock walks every page."""
+    base, key = server
+    with Client(base, key) as shop:
+        made = shop.set_stock("a", "w", 5, create_only=True)
+        assert made.version == 1 and made.etag == 'W/"1"'
+        with pytest.raises(errors.PreconditionFailed) as failed:
+            shop.set_stock("a", "w", 9, create_only=True)
+        assert failed.value.details["status"] == 412
+        assert shop.set_stock("a", "w", 6, if_match=made.etag).version == 2
+        with pytest.raises(errors.PreconditionFailed):
+            shop.set_stock("a", "w", 7, if_match=1)
+        assert shop.set_stock("a", "w", 7, if_match=2).on_hand == 7
+        assert shop.get_stock("a", "w").on_hand == 7
+        for sku in ["b", "c", "d"]:
+            shop.set_stock(sku, "w", 1)
+        page = shop.list_stock(limit=3)
+        assert [s.sku for s in page.stock] == ["a", "b", "c"] and page.next_cursor
+        assert [s.sku for s in shop.list_stock(cursor=page.next_cursor).stock] == ["d"]
+        assert [s.sku for s in shop.iter_stock(limit=1)] == ["a", "b", "c", "d"]
+        assert [s.sku for s in shop.iter_stock(skus=["d", "b"])] == ["b", "d"]
+        with pytest.raises(errors.InvalidCursor):
+            shop.list_stock(cursor="nope")
+
+
+async def test_async_client_conditional_counts_and_listing(server: tuple[str, str]) -> None:
+    """The async client's set_stock honours if_match and create_only like the sync one,
+    and iter_stock walks every page of a prefix."""
+    base, key = server
+    async with AsyncClient(base, key) as shop:
+        made = await shop.set_stock("tee-1", "w", 5)
+        with pytest.raises(errors.PreconditionFailed):
+            await shop.set_stock("tee-1", "w", 9, if_match='W/"9"')
+        assert (await shop.set_stock("tee-1", "w", 9, if_match=made.etag)).on_hand == 9
+        with pytest.raises(errors.PreconditionFailed):
+            await shop.set_stock("tee-2", "w", 1, if_match="*")
+        await shop.set_stock("tee-2", "w", 1, create_only=True)
+        await shop.set_stock("cap", "w", 1)
+        seen = [s.sku async for s in shop.iter_stock(sku_prefix="tee-", limit=1)]
+        assert seen == ["tee-1", "tee-2"]

@@ -27,7 +27,7 @@ def assert_problem(resp: httpx.Response, status: int, code: str) -> dict[str, An
 async def put_stock(api: ApiTenant, sku: str, on_hand: int, location: str = "wh",
                     **extra: Any) -> httpx.Response:
     resp = await api.client.put(f"/v1/stock/{location}/{sku}", json={"on_hand": on_hand, **extra})
-    assert resp.status_code == 200, resp.text
+    assert resp.status_code in (200, 201), resp.text  # 201: the PUT created the line
     return resp
 
 
@@ -40,10 +40,10 @@ async def reserve(api: ApiTenant, key: str, lines: list[tuple[str, str, int]],
 
 
 async def test_put_and_get_stock(api: ApiTenant) -> None:
-    """PUT stock answers the stock view and GET returns exactly the six documented fields."""
+    """PUT stock answers the stock view and GET returns exactly the seven documented fields."""
     resp = await put_stock(api, "sku-1", 10, strategy="pool")
     assert resp.json() == {"sku": "sku-1", "location": "wh", "on_hand": 10, "reserved": 0,
-                           "available": 10, "strategy": "pool"}
+                           "available": 10, "strategy": "pool", "version": 1}
     got = await api.client.get("/v1/stock/wh/sku-1")
     assert got.status_code == 200 and got.json() == resp.json()
 
@@ -212,7 +212,7 @@ async def test_healthz_and_metrics(api: ApiTenant, app: Any) -> None:
     async with ops:
         text = (await ops.get("/metrics")).text
     assert ('pgreserve_http_requests_total{method="PUT",route="/v1/stock/{location}/{sku}",'
-            'status="200"} 1.0') in text
+            'status="201"} 1.0') in text
     assert 'route="/v1/reservations",status="201"} 1.0' in text
     assert 'route="/v1/reservations",status="409"} 1.0' in text
     assert 'pgreserve_reservation_outcomes_total{outcome="held",replayed="false"} 1.0' in text

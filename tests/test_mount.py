@@ -108,7 +108,7 @@ def test_a_shop_serves_pgreserve_mounted_and_shutdown_closes_its_pool(
             httpx.Client(base_url=srv.url, timeout=30) as client:
         assert client.get("/ping").json() == {"shop": "ok"}
         put = client.put(f"{MOUNT}/v1/stock/wh/tee", json={"on_hand": 5}, headers=auth)
-        assert put.status_code == 200 and put.json()["on_hand"] == 5, put.text
+        assert put.status_code == 201 and put.json()["on_hand"] == 5, put.text
         made = client.post(f"{MOUNT}/v1/reservations", headers={**auth, "Idempotency-Key": "o-1"},
                            json={"lines": [{"sku": "tee", "location": "wh", "quantity": 2}]})
         assert made.status_code == 201, made.text

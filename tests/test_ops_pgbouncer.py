@@ -44,7 +44,7 @@ async def test_api_transactions_go_through_pgbouncer(api: ApiTenant, dsn: str, v
     before = bouncer_stats(pgbouncer, name).get("total_xact_count", 0)
     for i in range(5):
         resp = await api.client.put(f"/v1/stock/wh/s{i}", json={"on_hand": 3})
-        assert resp.status_code == 200
+        assert resp.status_code == 201  # the PUT created the line
         resp = await api.client.post("/v1/reservations", headers={"Idempotency-Key": f"k{i}"},
                                      json={"lines": [{"sku": f"s{i}", "location": "wh",
                                                       "quantity": 1}]})

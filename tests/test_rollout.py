@@ -604,7 +604,7 @@ async def test_http_api_serves_legacy_mode_behind_the_same_endpoints(
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
                                  headers={"Authorization": f"Bearer {key}"}) as client:
         counted = await client.put("/v1/stock/berlin/tee", json={"on_hand": 2})
-        assert counted.status_code == 200
+        assert counted.status_code == 201  # the count created the line
         received = await client.post("/v1/stock/berlin/tee/adjustments", json={"delta": 1},
                                      headers={"Idempotency-Key": "receipt-1"})
         again = await client.post("/v1/stock/berlin/tee/adjustments", json={"delta": 1},
@@ -764,7 +764,7 @@ def test_up_with_a_legacy_store_serves_a_legacy_tenant_from_redis(
             time.sleep(1.5)  # the API process reads a tenant's mode at most once a second
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
                               headers={"Authorization": f"Bearer {key}"}) as client:
-                assert client.put("/v1/stock/wh/tee", json={"on_hand": 4}).status_code == 200
+                assert client.put("/v1/stock/wh/tee", json={"on_hand": 4}).status_code == 201
                 assert int(redis.get(counter) or 0) == 4
                 made = client.post("/v1/reservations", headers={"Idempotency-Key": "o-1"},
                                    json={"lines": [{"sku": "tee", "location": "wh", "quantity": 3}],

@@ -230,7 +230,7 @@ def test_serve_worker_and_doctor_with_another_schema(pg_server: EmbeddedServer) 
                          headers={"Authorization": f"Bearer {key}"}) as client:
         assert any("tenant create NAME" in x and x.rstrip().endswith("--schema other")
                    for x in served), served
-        assert client.put("/v1/stock/wh/sku-1", json={"on_hand": 5}).status_code == 200
+        assert client.put("/v1/stock/wh/sku-1", json={"on_hand": 5}).status_code == 201
         sold = client.post("/v1/reservations", headers={"Idempotency-Key": "order-1"},
                            json={"lines": [{"sku": "sku-1", "location": "wh", "quantity": 2}]})
         assert sold.status_code == 201, sold.text

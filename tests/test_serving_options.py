@@ -131,7 +131,7 @@ def test_unix_socket_from_the_settings_file(dsn: str, folder: Path) -> None:
                           base_url="http://pgreserve") as client:
             put = client.put("/v1/stock/berlin/tee", json={"on_hand": 5},
                              headers={"Authorization": f"Bearer {key}"})
-            assert put.status_code == 200, put.text
+            assert put.status_code == 201, put.text
             assert put.json()["on_hand"] == 5
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     assert [(e["method"], e["status"], e["client"]) for e in lines] == [("PUT", 200, None)]

@@ -25,7 +25,7 @@ import asyncio
 import random
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 from urllib.parse import quote, urlencode
@@ -44,7 +44,8 @@ from .domain import (
 )
 from .http import problems  # noqa: F401 - defines the HTTP-only error classes mapped below
 
-__all__ = ["ApiError", "AsyncClient", "Client", "LocationAvailability", "SkuAvailability", "Stock"]
+__all__ = ["ApiError", "AsyncClient", "Client", "LocationAvailability", "SkuAvailability", "Stock",
+           "StockPage"]
 
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_RETRIES = 4
@@ -68,11 +69,33 @@ class Stock:
     reserved: int
     available: int
     strategy: Strategy
+    # what an operator set moves it (not holds or sales); pass it as if_match
+    version: int = 0
+
+    @property
+    def etag(self) -> str:
+        """The line's ETag, `W/"<version>"`."""
+        return f'W/"{self.version}"'
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> Stock:
         return cls(str(doc["sku"]), str(doc["location"]), int(doc["on_hand"]),
-                   int(doc["reserved"]), int(doc["available"]), Strategy(doc["strategy"]))
+                   int(doc["reserved"]), int(doc["available"]), Strategy(doc["strategy"]),
+                   int(doc.get("version") or 0))
+
+
+@dataclass(frozen=True)
+class StockPage:
+    """One page of GET /v1/stock; `next_cursor` (None on the last page) asks for the next."""
+
+    stock: tuple[Stock, ...]
+    next_cursor: str | None
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> StockPage:
+        cursor = doc.get("next_cursor")
+        return cls(tuple(Stock.from_json(x) for x in doc["stock"]),
+                   None if cursor is None else str(cursor))
 
 
 @dataclass(frozen=True)
@@ -202,9 +225,14 @@ class _Call:
     body: dict[str, Any] | None = None
     key: str | None = None
     ok: tuple[int, ...] = (200,)
+    params: tuple[tuple[str, str], ...] = ()
+    conditions: tuple[tuple[str, str], ...] = ()
 
     def headers(self) -> dict[str, str]:
-        return {"Idempotency-Key": sf_string(self.key)} if self.key is not None else {}
+        out = dict(self.conditions)
+        if self.key is not None:
+            out["Idempotency-Key"] = sf_string(self.key)
+        return out
 
 
 def sf_string(key: str) -> str:
@@ -287,12 +315,30 @@ class _Base:
         return _Call("PUT", _path("v1", "skus", sku), {"cart_limit": limit})
 
     @staticmethod
-    def _set_stock(sku: str, location: str, on_hand: int,
-                   strategy: Strategy | str | None) -> _Call:
+    def _set_stock(sku: str, location: str, on_hand: int, strategy: Strategy | str | None,
+                   if_match: str | int | None, create_only: bool) -> _Call:
         body: dict[str, Any] = {"on_hand": on_hand}
         if strategy is not None:
             body["strategy"] = Strategy(strategy).value
-        return _Call("PUT", _path("v1", "stock", location, sku), body)
+        conditions = []
+        if if_match is not None:
+            conditions.append(("If-Match", f'W/"{if_match}"' if isinstance(if_match, int)
+                               else if_match))
+        if create_only:
+            conditions.append(("If-None-Match", "*"))
+        return _Call("PUT", _path("v1", "stock", location, sku), body, ok=(200, 201),
+                     conditions=tuple(conditions))
+
+    @staticmethod
+    def _list_stock(sku_prefix: str | None, skus: Iterable[str] | None, location: str | None,
+                    limit: int | None, cursor: str | None) -> _Call:
+        params = [("sku", s) for s in skus or ()]
+        for name, value in (("sku_prefix", sku_prefix), ("location", location),
+                            ("limit", None if limit is None else str(limit)),
+                            ("cursor", cursor)):
+            if value is not None:
+                params.append((name, value))
+        return _Call("GET", "/v1/stock", params=tuple(params))
 
 
 def _auth(api_key: str, headers: Mapping[str, str] | None) -> dict[str, str]:
@@ -327,8 +373,10 @@ class Client(_Base):
         while True:
             response: httpx.Response | None = None
             try:
+                # params None: httpx would replace a query string already in the path
                 response = self._http.request(call.method, call.path, json=call.body,
-                                              headers=call.headers())
+                                              headers=call.headers(),
+                                              params=list(call.params) or None)
                 if not _retryable(response) or attempt >= self.retries:
                     return self._result(call, response)
             except httpx.TransportError:
@@ -373,9 +421,33 @@ class Client(_Base):
         return _availabilities(self._send(self._availability(skus, locations)).json())
 
     def set_stock(self, sku: str, location: str, on_hand: int, *,
-                  strategy: Strategy | str | None = None) -> Stock:
-        return Stock.from_json(self._send(self._set_stock(sku, location, on_hand,
-                                                          strategy)).json())
+                  strategy: Strategy | str | None = None, if_match: str | int | None = None,
+                  create_only: bool = False) -> Stock:
+        """Set the count (creating the line). `if_match`: the ETag (or version) the line
+        must still have, or "*" (it must exist); `create_only`: it must not exist yet.
+        Otherwise PreconditionFailed (412) and nothing is written."""
+        return Stock.from_json(self._send(self._set_stock(
+            sku, location, on_hand, strategy, if_match, create_only)).json())
+
+    def list_stock(self, *, sku_prefix: str | None = None, skus: Iterable[str] | None = None,
+                   location: str | None = None, limit: int | None = None,
+                   cursor: str | None = None) -> StockPage:
+        """One page of the tenant's stock lines in (sku, location) order."""
+        return StockPage.from_json(self._send(self._list_stock(
+            sku_prefix, skus, location, limit, cursor)).json())
+
+    def iter_stock(self, *, sku_prefix: str | None = None, skus: Iterable[str] | None = None,
+                   location: str | None = None, limit: int | None = None) -> Iterator[Stock]:
+        """Every matching stock line, page after page."""
+        wanted = None if skus is None else list(skus)
+        cursor: str | None = None
+        while True:
+            page = self.list_stock(sku_prefix=sku_prefix, skus=wanted, location=location,
+                                   limit=limit, cursor=cursor)
+            yield from page.stock
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor
 
     def set_cart_limit(self, sku: str, limit: int | None) -> SkuSettings:
         """At most `limit` units of the SKU per reservation (None: no limit)."""
@@ -409,7 +481,8 @@ class AsyncClient(_Base):
             response: httpx.Response | None = None
             try:
                 response = await self._http.request(call.method, call.path, json=call.body,
-                                                    headers=call.headers())
+                                                    headers=call.headers(),
+                                                    params=list(call.params) or None)
                 if not _retryable(response) or attempt >= self.retries:
                     return self._result(call, response)
             except httpx.TransportError:
@@ -457,9 +530,34 @@ class AsyncClient(_Base):
         return _availabilities((await self._send(self._availability(skus, locations))).json())
 
     async def set_stock(self, sku: str, location: str, on_hand: int, *,
-                        strategy: Strategy | str | None = None) -> Stock:
+                        strategy: Strategy | str | None = None,
+                        if_match: str | int | None = None,
+                        create_only: bool = False) -> Stock:
+        """As Client.set_stock."""
         return Stock.from_json((await self._send(self._set_stock(
-            sku, location, on_hand, strategy))).json())
+            sku, location, on_hand, strategy, if_match, create_only))).json())
+
+    async def list_stock(self, *, sku_prefix: str | None = None,
+                         skus: Iterable[str] | None = None, location: str | None = None,
+                         limit: int | None = None, cursor: str | None = None) -> StockPage:
+        """One page of the tenant's stock lines in (sku, location) order."""
+        return StockPage.from_json((await self._send(self._list_stock(
+            sku_prefix, skus, location, limit, cursor))).json())
+
+    async def iter_stock(self, *, sku_prefix: str | None = None,
+                         skus: Iterable[str] | None = None, location: str | None = None,
+                         limit: int | None = None) -> AsyncIterator[Stock]:
+        """Every matching stock line, page after page."""
+        wanted = None if skus is None else list(skus)
+        cursor: str | None = None
+        while True:
+            page = await self.list_stock(sku_prefix=sku_prefix, skus=wanted,
+                                         location=location, limit=limit, cursor=cursor)
+            for item in page.stock:
+                yield item
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor
 
     async def set_cart_limit(self, sku: str, limit: int | None) -> SkuSettings:
         """At most `limit` units of the SKU per reservation (None: no limit)."""

@@ -213,9 +213,14 @@ class StockView:
     pool_cap: int
     shortfall: int
     replayed: bool = False
+    # What an operator set moves it (counts, adjustments, strategy): the ETag's value.
+    # None only in an adjustment's answer stored before versions existed.
+    version: int | None = None
+    created: bool = False  # this write created the line
 
     @classmethod
     def from_json(cls, doc: dict[str, Any], replayed: bool = False) -> StockView:
+        version = doc.get("version")
         return cls(
             sku=doc["sku"],
             location=doc["location"],
@@ -227,7 +232,18 @@ class StockView:
             pool_cap=int(doc["pool_cap"]),
             shortfall=int(doc["shortfall"]),
             replayed=replayed,
+            version=None if version is None else int(version),
+            created=bool(doc.get("created")),
         )
+
+
+@dataclass(frozen=True)
+class StockPage:
+    """One page of a tenant's stock lines in (sku, location) order; `next_cursor` (None on
+    the last page) continues after the last of them."""
+
+    stock: tuple[StockView, ...]
+    next_cursor: str | None
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,20 @@ class IdempotencyKeyReused(PgReserveError):
     code = "idempotency_key_reused"
 
 
+class PreconditionFailed(PgReserveError):
+    """A conditional stock write (if_match / create_only, HTTP If-Match / If-None-Match)
+    whose condition did not hold when the database made the write; nothing was written.
+    `details["version"]` is the line's current version (None: no such line)."""
+
+    code = "precondition_failed"
+
+
+class InvalidCursor(InvalidRequest):
+    """A page cursor that this listing did not hand out."""
+
+    code = "invalid_cursor"
+
+
 class WouldOversell(PgReserveError):
     """A correction would leave fewer units than are held; pass force=True to record a shortfall."""
 

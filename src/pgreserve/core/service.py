@@ -9,6 +9,8 @@ enough stock; the conditional writes in the database do.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import hashlib
 import json
 import secrets
@@ -17,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
 from time import perf_counter
-from typing import Any, LiteralString, Protocol, cast
+from typing import Any, Literal, LiteralString, Protocol, cast
 
 import psycopg
 from psycopg import sql as sql_
@@ -41,6 +43,7 @@ from ..domain import (
     Reservation,
     ReserveOutcome,
     SkuSettings,
+    StockPage,
     StockView,
     Strategy,
     Tenant,
@@ -50,7 +53,9 @@ from ..domain import (
 from ..errors import (
     ApiKeyNotFound,
     FreezeNotFound,
+    InvalidCursor,
     InvalidRequest,
+    PreconditionFailed,
     RequestNotFound,
     ReservationNotFound,
     UnknownStock,
@@ -81,6 +86,7 @@ OPS: dict[str, Op] = {op.action: op for op in (
     Op("api", "stock_get", "GET /v1/stock/{location}/{sku}"),
     Op("stock", "sku_limit_set", "PUT /v1/skus/{sku}"),
     Op("api", "sku_get", "GET /v1/skus/{sku}"),
+    Op("api", "stock_list", "GET /v1/stock"),
     Op("api", "availability", "GET /v1/availability"),
     Op("reserve", "reserve", "POST /v1/reservations"),
     Op("claim", "claim", "POST /v1/reservations/{id}/claim"),
@@ -118,6 +124,65 @@ def digest(operation: str, params: dict[str, Any]) -> str:
     """A stable fingerprint of a request's parameters, stored with its key."""
     canonical = json.dumps({"op": operation, **params}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+DEFAULT_STOCK_PAGE = 100
+MAX_STOCK_PAGE = 1000
+MAX_STOCK_FILTER = 100
+_CURSOR_PREFIX = "s1."
+
+# A stock precondition: a version, several, "*" (the line exists) or None.
+IfMatch = int | Iterable[int] | Literal["*"] | None
+
+
+def _preconditions(if_match: IfMatch) -> tuple[list[int] | None, bool | None]:
+    """(versions the line must have one of, whether it must exist) for the SQL function."""
+    if if_match is None:
+        return None, None
+    if isinstance(if_match, str):
+        if if_match != "*":
+            raise InvalidRequest('if_match must be a version, versions or "*"',
+                                 field="if_match")
+        return None, True
+    values = [if_match] if isinstance(if_match, int) else list(if_match)
+    return [check.integer(v, "if_match", 1, 2**63 - 1) for v in values], True
+
+
+def _raise_if_precondition_failed(doc: dict[str, Any], sku: str, location: str) -> None:
+    if not doc.get("precondition_failed"):
+        return
+    version = doc.get("version")
+    where = f"stock {sku!r} at {location!r}"
+    raise PreconditionFailed(f"{where} does not exist" if version is None
+                             else f"{where} is at version {version}; the condition did not hold",
+                             version=version)
+
+
+def stock_cursor(sku: str, location: str) -> str:
+    """The opaque cursor that continues a stock listing after (sku, location)."""
+    raw = json.dumps([sku, location], ensure_ascii=False, separators=(",", ":")).encode()
+    return _CURSOR_PREFIX + base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def stock_cursor_position(cursor: str) -> tuple[str, str]:
+    """The (sku, location) a stock cursor continues after; InvalidCursor if it is not one
+    that stock_cursor made."""
+    bad = InvalidCursor("cursor must be a next_cursor returned by the stock listing",
+                        field="cursor")
+    if not isinstance(cursor, str) or not cursor.startswith(_CURSOR_PREFIX):
+        raise bad
+    body = cursor[len(_CURSOR_PREFIX):]
+    try:
+        doc = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode())
+    except (ValueError, binascii.Error, UnicodeDecodeError):
+        raise bad from None
+    if (not isinstance(doc, list) or len(doc) != 2
+            or not all(isinstance(x, str) for x in doc)):
+        raise bad
+    try:
+        return check.name(doc[0], "sku"), check.name(doc[1], "location")
+    except InvalidRequest:
+        raise bad from None
 
 
 def _reservation_id(value: Any) -> uuid.UUID:
@@ -231,19 +296,32 @@ class ReservationService:
 
     async def set_stock(self, tenant: int, sku: str, location: str, on_hand: int, *,
                         strategy: Strategy | str | None = None, pool_cap: int | None = None,
-                        force: bool = False) -> StockView:
-        """Set a bucket's count (creating it), optionally switching its strategy live."""
+                        force: bool = False, if_match: IfMatch = None,
+                        create_only: bool = False) -> StockView:
+        """Set a bucket's count (creating it), optionally switching its strategy live.
+
+        `if_match`: a version (or several) the line must have, or "*" (it must exist);
+        `create_only`: the line must not exist yet. The database checks them in the
+        write itself; when one does not hold, PreconditionFailed and nothing is written.
+        The answer's `created` says whether this call created the line."""
         tenant = check.tenant_id(tenant)
         sku, location = check.name(sku, "sku"), check.name(location, "location")
         on_hand = check.integer(on_hand, "on_hand", 0, MAX_ON_HAND)
         chosen = check.strategy(strategy)
         if pool_cap is not None:
             pool_cap = check.integer(pool_cap, "pool_cap", 1, 100_000)
+        versions, exists = _preconditions(if_match)
+        if create_only:
+            if if_match is not None:
+                raise InvalidRequest("if_match and create_only exclude each other",
+                                     field="create_only")
+            exists = False
         doc = await self.db.call(
             queries["stock_set"],
             (tenant, sku, location, on_hand, chosen.value if chosen else None, bool(force),
-             pool_cap, self.clock()), op=OPS["stock_set"],
+             pool_cap, versions, exists, self.clock()), op=OPS["stock_set"],
         )
+        _raise_if_precondition_failed(doc, sku, location)
         return StockView.from_json(doc)
 
     async def set_cart_limit(self, tenant: int, sku: str, limit: int | None) -> SkuSettings:
@@ -266,21 +344,66 @@ class ReservationService:
         return SkuSettings.from_json(rows[0][0])
 
     async def adjust_stock(self, tenant: int, request_key: str, sku: str, location: str,
-                           delta: int, *, reason: str = "", force: bool = False) -> StockView:
-        """Receipt (delta > 0) or correction (delta < 0), applied once per request key."""
+                           delta: int, *, reason: str = "", force: bool = False,
+                           if_match: IfMatch = None) -> StockView:
+        """Receipt (delta > 0) or correction (delta < 0), applied once per request key.
+
+        `if_match` as for set_stock ("*" adds nothing: the line must exist anyway); a
+        replay of the key returns the stored answer whatever the version is now, and a
+        failed precondition stores nothing under the key."""
         tenant = check.tenant_id(tenant)
         key = check.request_key(request_key)
         sku, location = check.name(sku, "sku"), check.name(location, "location")
         delta = check.integer(delta, "delta", -MAX_ON_HAND, MAX_ON_HAND)
         reason = check.text(reason, "reason", 1000)
+        versions, _ = _preconditions(if_match)
         fingerprint = digest("adjust", {"sku": sku, "location": location, "delta": delta,
                                         "reason": reason, "force": bool(force)})
         doc = await self.db.call(
             queries["stock_adjust"],
-            (tenant, key, fingerprint, sku, location, delta, reason, bool(force), self.clock()),
+            (tenant, key, fingerprint, sku, location, delta, reason, bool(force), versions,
+             self.clock()),
             op=OPS["stock_adjust"],
         )
+        _raise_if_precondition_failed(doc, sku, location)
         return StockView.from_json(doc["stock"], replayed=bool(doc.get("replayed")))
+
+    async def list_stock(self, tenant: int, *, sku_prefix: str | None = None,
+                         skus: Iterable[str] | None = None, location: str | None = None,
+                         limit: int = DEFAULT_STOCK_PAGE, after: str | None = None) -> StockPage:
+        """A page of the tenant's stock lines in (sku, location) order (code-point order),
+        narrowed by an SKU prefix, a list of SKUs and a location.
+
+        `after` is the `next_cursor` of the previous page: a keyset position, so lines
+        created or changed meanwhile never make a line appear twice or be skipped (a line
+        created behind the cursor shows up on no later page)."""
+        tenant = check.tenant_id(tenant)
+        limit = check.integer(limit, "limit", 1, MAX_STOCK_PAGE)
+        prefix = None if sku_prefix is None else check.name(sku_prefix, "sku_prefix")
+        sku_list = None
+        if skus is not None:
+            if isinstance(skus, str):
+                raise InvalidRequest("skus must be a list of SKUs", field="skus")
+            sku_list = sorted({check.name(x, "sku") for x in skus})
+            if not 1 <= len(sku_list) <= MAX_STOCK_FILTER:
+                raise InvalidRequest(f"give 1 to {MAX_STOCK_FILTER} SKUs", field="skus")
+        loc = None if location is None else check.name(location, "location")
+        start = ("", "") if after is None else stock_cursor_position(after)
+        if prefix is not None and start < (prefix, ""):
+            start = (prefix, "")  # the prefix's lines all sort at or after it
+        rows = await self.db.fetch(
+            queries["stock_list"],
+            {"now": self.clock(), "tenant": tenant, "after_sku": start[0],
+             "after_location": start[1], "prefix": prefix, "skus": sku_list,
+             "location": loc, "limit": limit + 1},
+            op=OPS["stock_list"],
+        )
+        if not rows:
+            await self._require_tenant(tenant)
+        views = tuple(StockView.from_json(r[0]) for r in rows[:limit])
+        more = len(rows) > limit
+        return StockPage(views, stock_cursor(views[-1].sku, views[-1].location)
+                         if more else None)
 
     async def get_stock(self, tenant: int, sku: str, location: str) -> StockView:
         tenant = check.tenant_id(tenant)

@@ -120,6 +120,15 @@ class StockOut(BaseModel):
     reserved: int
     available: int
     strategy: Literal["row", "pool"]
+    version: int = Field(1, description=(
+        "Moves with every count, adjustment or strategy change, never with holds, claims, "
+        "releases or expiry; the ETag is W/\"<version>\""))
+
+
+class StockPageOut(BaseModel):
+    stock: list[StockOut]
+    next_cursor: str | None = Field(description=(
+        "Pass as cursor for the next page; null on the last page"))
 
 
 class LocationAvailabilityOut(BaseModel):
@@ -208,9 +217,12 @@ class Health(BaseModel):
 
 
 def stock_doc(view: StockView) -> dict[str, Any]:
-    return {"sku": view.sku, "location": view.location, "on_hand": view.on_hand,
-            "reserved": view.reserved, "available": view.available,
-            "strategy": view.strategy.value}
+    doc: dict[str, Any] = {"sku": view.sku, "location": view.location,
+                           "on_hand": view.on_hand, "reserved": view.reserved,
+                           "available": view.available, "strategy": view.strategy.value}
+    if view.version is not None:  # absent only in answers stored before versions existed
+        doc["version"] = view.version
+    return doc
 
 
 def reservation_doc(r: Reservation) -> dict[str, Any]:

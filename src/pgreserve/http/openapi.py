@@ -20,6 +20,12 @@ from .problems import Problem
 # string of 1 to 200 characters (each printable ASCII or an escaped " or \).
 KEY_PATTERN = (r'^(?:[^"\s](?:.{0,198}\S)?'
                r'|"(?:[\x20\x21\x23-\x5b\x5d-\x7e]|\\["\\]){1,200}")$')
+# If-Match: * or a list of entity tags; If-None-Match on a write: only *. Documented, not
+# enforced by FastAPI, so a malformed header is 400 precondition_invalid (http/conditional.py).
+PRECONDITION_PATTERNS = {
+    "If-Match": r'^(\*|(W/)?"[!#-~]*"(, ?(W/)?"[!#-~]*")*)$',
+    "If-None-Match": r"^\*$",
+}
 KEYED_REQUIRED = {("post", "/v1/reservations"),
                   ("post", "/v1/stock/{location}/{sku}/adjustments")}
 
@@ -30,6 +36,7 @@ OPERATION_IDS = {
     "put_stock": "setStock",
     "get_stock": "getStock",
     "adjust_stock": "adjustStock",
+    "list_stock": "listStock",
     "reserve": "createReservation",
     "get_reservation": "getReservation",
     "claim": "claimReservation",
@@ -74,6 +81,9 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
                     param["schema"] = {"type": "string", "minLength": 1, "maxLength": 402,
                                        "pattern": KEY_PATTERN}
                     param["required"] = (method, path) in KEYED_REQUIRED
+                elif param["name"] in PRECONDITION_PATTERNS:
+                    param["schema"] = {"type": "string", "minLength": 1,
+                                       "pattern": PRECONDITION_PATTERNS[param["name"]]}
     # Links: what a client (and a stateful test) can do with a reservation it
     # has just created.
     created = schema["paths"]["/v1/reservations"]["post"]["responses"]["201"]

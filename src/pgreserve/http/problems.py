@@ -32,6 +32,13 @@ class IdempotencyKeyInvalid(errors.PgReserveError):
     code = "idempotency_key_invalid"
 
 
+class PreconditionInvalid(errors.PgReserveError):
+    """An If-Match / If-None-Match header that is not a list of entity tags (or `*`), or
+    a condition this endpoint does not evaluate."""
+
+    code = "precondition_invalid"
+
+
 class RequestInProgress(errors.PgReserveError):
     """The same Idempotency-Key is being processed by this server right now."""
 
@@ -97,6 +104,8 @@ STATUS: dict[type[errors.PgReserveError], tuple[int, str]] = {
     errors.WebhookUrlRefused: (422, "Webhook URL refused"),
     errors.IdempotencyKeyReused: (422, "Idempotency-Key reused with another request"),
     errors.WouldOversell: (409, "Adjustment would oversell"),
+    errors.PreconditionFailed: (412, "Precondition failed"),
+    errors.InvalidCursor: (400, "Invalid cursor"),
     errors.ReservationReleased: (409, "Reservation was released"),
     errors.ReservationClaimed: (409, "Reservation was claimed"),
     errors.ReservationExpired: (409, "Reservation expired"),
@@ -111,6 +120,7 @@ STATUS: dict[type[errors.PgReserveError], tuple[int, str]] = {
     Unauthorized: (401, "Unauthorized"),
     IdempotencyKeyMissing: (400, "Idempotency-Key header required"),
     IdempotencyKeyInvalid: (400, "Invalid Idempotency-Key"),
+    PreconditionInvalid: (400, "Invalid precondition header"),
     RequestInProgress: (409, "A request with this Idempotency-Key is in progress"),
     InsufficientStock: (409, "Insufficient stock"),
     BucketFrozen: (423, "Bucket frozen"),
@@ -261,12 +271,15 @@ def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 _DESCRIPTIONS = {
-    400: "Bad request (idempotency_key_missing, idempotency_key_invalid)",
+    400: "Bad request (idempotency_key_missing, idempotency_key_invalid, "
+         "precondition_invalid, invalid_cursor)",
     401: "Missing or unknown API key (unauthorized)",
     404: "Not found (unknown_stock, reservation_not_found, webhook_not_found, "
          "request_not_found)",
     409: "Conflict with the current state (insufficient_stock and cart_limit_exceeded are "
          "stored under the key)",
+    412: "Precondition failed (precondition_failed): If-Match or If-None-Match did not "
+         "hold; nothing was written",
     413: "Request body too large",
     422: "Invalid request (invalid_request, idempotency_key_reused, webhook_url_refused)",
     423: "Frozen by an operator (bucket_frozen, tenant_frozen); stored under the key",

@@ -13,7 +13,8 @@ REPLAYED_HEADER = "Idempotent-Replayed"
 COMMON = (401, 422, 429, 503)
 
 
-def json_response(status: int, doc: dict[str, Any], replayed: bool = False) -> Response:
-    headers = {REPLAYED_HEADER: "true"} if replayed else None
-    return Response(problems.render(doc), status_code=status, headers=headers,
+def json_response(status: int, doc: dict[str, Any], replayed: bool = False,
+                  headers: dict[str, str] | None = None) -> Response:
+    out = {**(headers or {}), **({REPLAYED_HEADER: "true"} if replayed else {})}
+    return Response(problems.render(doc), status_code=status, headers=out or None,
                     media_type="application/json")

@@ -34,7 +34,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from .. import validation as check
-from ..core.service import ReservationService, digest
+from ..core.service import IfMatch, ReservationService, digest
 from ..db.database import Op
 from ..db.queries import queries
 from ..domain import (
@@ -139,11 +139,14 @@ class Rollout:
 
     async def set_stock(self, tenant: int, sku: str, location: str, on_hand: int, *,
                         strategy: Strategy | str | None = None, pool_cap: int | None = None,
-                        force: bool = False) -> StockView:
+                        force: bool = False, if_match: IfMatch = None,
+                        create_only: bool = False) -> StockView:
         """Count a bucket in pgreserve and, while Redis is written, in Redis (its counter
-        becomes the count minus the units Redis holds)."""
+        becomes the count minus the units Redis holds). A precondition is pgreserve's:
+        when it fails, neither store is written."""
         view = await self.service.set_stock(tenant, sku, location, on_hand, strategy=strategy,
-                                            pool_cap=pool_cap, force=force)
+                                            pool_cap=pool_cap, force=force, if_match=if_match,
+                                            create_only=create_only)
         mode = (await self.modes.get(tenant)).mode
         if mode.writes_redis:
             await self._stock_step(mode, self.store.set_stock(tenant, view.sku, view.location,
@@ -151,11 +154,12 @@ class Rollout:
         return view
 
     async def adjust_stock(self, tenant: int, request_key: str, sku: str, location: str,
-                           delta: int, *, reason: str = "", force: bool = False) -> StockView:
+                           delta: int, *, reason: str = "", force: bool = False,
+                           if_match: IfMatch = None) -> StockView:
         """A receipt or correction, once per request key in pgreserve; while Redis is
         written, the first answer also moves the Redis counter by delta."""
         view = await self.service.adjust_stock(tenant, request_key, sku, location, delta,
-                                               reason=reason, force=force)
+                                               reason=reason, force=force, if_match=if_match)
         mode = (await self.modes.get(tenant)).mode
         if mode.writes_redis and not view.replayed:
             await self._stock_step(mode, self.store.adjust_stock(tenant, view.sku,

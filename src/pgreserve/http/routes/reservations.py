@@ -5,12 +5,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Awaitable, Callable
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from ... import errors
 from ...domain import Reservation, ReserveOutcome
-from .. import problems
+from .. import conditional, problems
 from ..dependencies import Authenticated, Caller, Holds, KeyHeader, Tenant, request_key
 from ..models import ExtendIn, ReservationOut, ReserveIn, reservation_doc
 from ..responses import COMMON, REPLAYED_HEADER, json_response
@@ -19,9 +19,12 @@ router = APIRouter(tags=["reservations"])
 
 
 @router.post("/v1/reservations", status_code=201, response_model=ReservationOut,
-             responses=problems.responses(400, 404, 409, 413, 423, *COMMON),
+             responses={201: {"headers": {"Location": {
+                            "description": "The reservation's URL (under the root path)",
+                            "schema": {"type": "string"}}}},
+                        **problems.responses(400, 404, 409, 413, 423, *COMMON)},
              summary="Hold every line of a cart, or none")
-async def reserve(body: ReserveIn, caller: Authenticated,
+async def reserve(body: ReserveIn, caller: Authenticated, request: Request,
                   idempotency_key: KeyHeader = None) -> Response:
     key = request_key(idempotency_key, required=True)
     assert key is not None
@@ -32,15 +35,19 @@ async def reserve(body: ReserveIn, caller: Authenticated,
             ttl=body.ttl_seconds)
     caller.metrics.http_reserve_outcomes.labels("held" if outcome.held else "rejected",
                                          str(outcome.replayed).lower()).inc()
-    return reserve_response(outcome)
+    return reserve_response(outcome, request)
 
 
-def reserve_response(outcome: ReserveOutcome) -> Response:
-    """201 with the reservation, 409 insufficient_stock with its short lines, 409
-    cart_limit_exceeded with its limited lines, or 423 bucket_frozen / tenant_frozen."""
+def reserve_response(outcome: ReserveOutcome, request: Request | None = None) -> Response:
+    """201 with the reservation (and, given the request, its Location), 409
+    insufficient_stock with its short lines, 409 cart_limit_exceeded with its limited
+    lines, or 423 bucket_frozen / tenant_frozen."""
     if outcome.held:
         assert outcome.reservation is not None
-        return json_response(201, reservation_doc(outcome.reservation), outcome.replayed)
+        headers = None if request is None else {"Location": conditional.location_of(
+            request, "v1", "reservations", outcome.reservation.id)}
+        return json_response(201, reservation_doc(outcome.reservation), outcome.replayed,
+                             headers=headers)
     headers = {REPLAYED_HEADER: "true"} if outcome.replayed else None
     if outcome.reason == "tenant_frozen":
         return problems.problem_response(

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Path, Request
 from starlette.responses import Response
 
-from .. import problems
+from .. import conditional, problems
 from ..dependencies import Service, Tenant
 from ..models import WebhookCreated, WebhookIn, WebhooksOut, webhook_doc
 from ..responses import COMMON, json_response
@@ -16,11 +16,16 @@ router = APIRouter(tags=["webhooks"])
 
 
 @router.post("/v1/webhooks", status_code=201, response_model=WebhookCreated,
-             responses=problems.responses(413, *COMMON),
+             responses={201: {"headers": {"Location": {
+                            "description": "The endpoint's URL (under the root path)",
+                            "schema": {"type": "string"}}}},
+                        **problems.responses(413, *COMMON)},
              summary="Register a URL for this tenant's events (the secret is shown only now)")
-async def add_webhook(body: WebhookIn, tenant: Tenant, svc: Service) -> Response:
+async def add_webhook(body: WebhookIn, tenant: Tenant, svc: Service,
+                      request: Request) -> Response:
     created = await svc.add_webhook(tenant, body.url)
-    return json_response(201, webhook_doc(created))
+    return json_response(201, webhook_doc(created), headers={
+        "Location": conditional.location_of(request, "v1", "webhooks", str(created.id))})
 
 
 @router.get("/v1/webhooks", response_model=WebhooksOut, responses=problems.responses(*COMMON),

@@ -2,14 +2,17 @@
 -- as reserved, whether or not the sweeper has run; of their units, those a
 -- forced correction recorded as missing (shortfall) are not available.
 CREATE OR REPLACE FUNCTION bucket_view_v1(p_tenant bigint, p_bucket bigint, p_now timestamptz)
-RETURNS jsonb LANGUAGE sql STABLE AS $$
-    -- reading it touches only the expired part of the held-lines index
-    SELECT jsonb_build_object(
+RETURNS jsonb LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    -- plpgsql, not sql: its body names columns of later migrations (version), which a
+    -- sql function would check when created, before those migrations ran.
+    -- Reading it touches only the expired part of the held-lines index.
+    RETURN (SELECT jsonb_build_object(
         'sku', b.sku, 'location', b.location, 'on_hand', b.on_hand,
         'reserved', b.on_hand - (b.free + p.pool + e.expired),
         'available', b.free + p.pool + greatest(0, e.expired - b.shortfall),
         'strategy', b.strategy, 'pool', p.pool, 'pool_cap', b.pool_cap,
-        'shortfall', b.shortfall)
+        'shortfall', b.shortfall, 'version', b.version)
     FROM stock_bucket b,
     LATERAL (SELECT coalesce(sum(l.quantity), 0)::bigint AS expired
              FROM reservation_line l
@@ -17,8 +20,8 @@ RETURNS jsonb LANGUAGE sql STABLE AS $$
                AND l.expires_at <= p_now) e,
     LATERAL (SELECT count(*)::bigint AS pool FROM stock_unit u
              WHERE u.tenant_id = b.tenant_id AND u.bucket_id = b.bucket_id) p
-    WHERE b.tenant_id = p_tenant AND b.bucket_id = p_bucket
-$$;
+    WHERE b.tenant_id = p_tenant AND b.bucket_id = p_bucket);
+END $$;
 
 -- Give up expired holds of a bucket whose row lock the caller holds, in
 -- batches of 500 lines, until p_enough units are usable or none is left

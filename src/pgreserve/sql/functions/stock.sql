@@ -1,9 +1,25 @@
--- Set a bucket's count (physical units not yet sold), creating it if needed,
--- and optionally switch its strategy. Idempotent by nature.
-CREATE OR REPLACE FUNCTION stock_set_v1(p_tenant bigint, p_sku text, p_location text, p_on_hand bigint,
-                             p_strategy text DEFAULT NULL, p_force boolean DEFAULT false,
-                             p_pool_cap integer DEFAULT NULL,
-                             p_now timestamptz DEFAULT NULL)
+-- The answer of a write whose precondition (If-Match / If-None-Match) did not hold: the
+-- line's current version (NULL: no such line). Nothing was written.
+CREATE OR REPLACE FUNCTION stock_precondition_failed_v1(p_tenant bigint, p_sku text,
+                                                        p_location text)
+RETURNS jsonb LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    RETURN jsonb_build_object('precondition_failed', true, 'version',
+        (SELECT version FROM stock_bucket
+         WHERE tenant_id = p_tenant AND sku = p_sku AND location = p_location));
+END $$;
+
+-- Set a bucket's count (physical units not yet sold), creating it if needed, and
+-- optionally switch its strategy; every such write moves the line's version.
+-- Preconditions, checked by the write itself: p_if_match (a list of versions; the
+-- conditional UPDATE of the version finds the row only when one matches), p_exists
+-- true (the line must exist: no insert) or false (create only: the INSERT must not
+-- conflict). A failed precondition returns stock_precondition_failed_v1 and leaves
+-- no write behind (the lock-and-drain runs in a block that is rolled back).
+CREATE OR REPLACE FUNCTION stock_set_v2(p_tenant bigint, p_sku text, p_location text,
+                                        p_on_hand bigint, p_strategy text, p_force boolean,
+                                        p_pool_cap integer, p_if_match bigint[],
+                                        p_exists boolean, p_now timestamptz DEFAULT NULL)
 RETURNS jsonb LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
 SET enable_seqscan = off
@@ -11,17 +27,19 @@ AS $$
 DECLARE
     v_now timestamptz := coalesce(p_now, clock_timestamp());
     v_bucket bigint;
+    v_created boolean := false;
     v_lock record;
     v_before bigint;
     v_view jsonb;
 BEGIN
     PERFORM tenant_require_v1(p_tenant);
-    SELECT bucket_id INTO v_bucket FROM stock_bucket
-    WHERE tenant_id = p_tenant AND sku = p_sku AND location = p_location;
-    IF NOT FOUND THEN
-        -- a new bucket carries its SKU's per-cart limit (sku.sql: under the
-        -- SKU's lock, so a limit being set is not missed)
-        PERFORM sku_lock_v1(p_tenant, p_sku);
+    IF p_if_match IS NULL AND p_exists IS NOT TRUE THEN
+        -- a new line carries its SKU's per-cart limit (sku.sql: created under the SKU's
+        -- lock, so a limit being set is not missed)
+        IF NOT EXISTS (SELECT 1 FROM stock_bucket
+                       WHERE tenant_id = p_tenant AND sku = p_sku AND location = p_location) THEN
+            PERFORM sku_lock_v1(p_tenant, p_sku);
+        END IF;
         INSERT INTO stock_bucket (tenant_id, sku, location, on_hand, free, strategy, pool_cap,
                                   cart_limit)
         VALUES (p_tenant, p_sku, p_location, p_on_hand, p_on_hand, coalesce(p_strategy, 'row'),
@@ -30,20 +48,35 @@ BEGIN
                  WHERE s.tenant_id = p_tenant AND s.sku = p_sku))
         ON CONFLICT (tenant_id, sku, location) DO NOTHING
         RETURNING bucket_id INTO v_bucket;
-    ELSE
-        v_bucket := NULL;  -- it exists: the update below
+        v_created := v_bucket IS NOT NULL;
+        IF NOT v_created AND p_exists IS FALSE THEN
+            RETURN stock_precondition_failed_v1(p_tenant, p_sku, p_location);
+        END IF;
     END IF;
-    IF v_bucket IS NOT NULL THEN
+    IF v_created THEN
         v_before := 0;
         PERFORM pool_replenish_v1(p_tenant, v_bucket, 0, v_now);
     ELSE
         SELECT bucket_id INTO v_bucket FROM stock_bucket
         WHERE tenant_id = p_tenant AND sku = p_sku AND location = p_location;
-        v_lock := bucket_lock_exclusive_v1(p_tenant, v_bucket);
+        IF NOT FOUND THEN
+            RETURN stock_precondition_failed_v1(p_tenant, p_sku, p_location);
+        END IF;
+        BEGIN
+            v_lock := bucket_lock_exclusive_v1(p_tenant, v_bucket);
+            UPDATE stock_bucket
+            SET strategy = coalesce(p_strategy, strategy),
+                pool_cap = coalesce(p_pool_cap, pool_cap),
+                version = version + 1
+            WHERE tenant_id = p_tenant AND bucket_id = v_bucket
+              AND (p_if_match IS NULL OR version = ANY (p_if_match));
+            IF NOT FOUND THEN
+                RAISE EXCEPTION 'stock line version does not match' USING ERRCODE = 'PR428';
+            END IF;
+        EXCEPTION WHEN SQLSTATE 'PR428' THEN
+            RETURN stock_precondition_failed_v1(p_tenant, p_sku, p_location);
+        END;
         v_before := (v_lock.o_bucket).on_hand - (v_lock.o_bucket).shortfall;
-        UPDATE stock_bucket
-        SET strategy = coalesce(p_strategy, strategy), pool_cap = coalesce(p_pool_cap, pool_cap)
-        WHERE tenant_id = p_tenant AND bucket_id = v_bucket;
         PERFORM bucket_apply_on_hand_v1(p_tenant, v_bucket, v_lock.o_held, p_on_hand, p_force,
                                         v_now);
     END IF;
@@ -54,13 +87,26 @@ BEGIN
     v_view := bucket_view_v1(p_tenant, v_bucket, v_now);
     INSERT INTO outbox_event (tenant_id, type, payload)
     VALUES (p_tenant, 'stock.changed', v_view || jsonb_build_object('change', 'set'));
-    RETURN v_view;
+    RETURN v_view || jsonb_build_object('created', v_created);
 END $$;
 
--- Receipt (delta > 0) or correction (delta < 0) of on_hand, idempotent by key.
-CREATE OR REPLACE FUNCTION stock_adjust_v1(p_tenant bigint, p_key text, p_digest text, p_sku text,
+-- The unconditional form (kept for callers of the first signature).
+CREATE OR REPLACE FUNCTION stock_set_v1(p_tenant bigint, p_sku text, p_location text, p_on_hand bigint,
+                             p_strategy text DEFAULT NULL, p_force boolean DEFAULT false,
+                             p_pool_cap integer DEFAULT NULL,
+                             p_now timestamptz DEFAULT NULL)
+RETURNS jsonb LANGUAGE sql AS $$
+    SELECT stock_set_v2(p_tenant, p_sku, p_location, p_on_hand, p_strategy, p_force,
+                        p_pool_cap, NULL, NULL, p_now)
+$$;
+
+-- Receipt (delta > 0) or correction (delta < 0) of on_hand, idempotent by key; it
+-- moves the line's version. p_if_match: a list of versions, one of which the line must
+-- have, checked by the write of the version (a replay of the key is answered first, as
+-- stored, whatever the version is now). A failed precondition stores nothing.
+CREATE OR REPLACE FUNCTION stock_adjust_v2(p_tenant bigint, p_key text, p_digest text, p_sku text,
                                 p_location text, p_delta bigint, p_reason text,
-                                p_force boolean DEFAULT false,
+                                p_force boolean, p_if_match bigint[],
                                 p_now timestamptz DEFAULT NULL)
 RETURNS jsonb LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
@@ -95,15 +141,34 @@ BEGIN
         SET on_hand = on_hand + p_delta - least(shortfall, p_delta),
             free = free + p_delta - least(shortfall, p_delta),
             shortfall = shortfall - least(shortfall, p_delta),
+            version = version + 1,
             updated_at = v_now
         WHERE tenant_id = p_tenant AND bucket_id = v_bucket
-          AND on_hand + p_delta - least(shortfall, p_delta) <= 9007199254740992;
+          AND on_hand + p_delta - least(shortfall, p_delta) <= 9007199254740992
+          AND (p_if_match IS NULL OR version = ANY (p_if_match));
         IF NOT FOUND THEN
+            -- which condition failed (either way nothing was written)
+            IF p_if_match IS NOT NULL AND NOT EXISTS (
+                    SELECT 1 FROM stock_bucket
+                    WHERE tenant_id = p_tenant AND bucket_id = v_bucket
+                      AND version = ANY (p_if_match)) THEN
+                RETURN stock_precondition_failed_v1(p_tenant, p_sku, p_location);
+            END IF;
             RAISE EXCEPTION 'on_hand would exceed the maximum of 9007199254740992 units'
                 USING ERRCODE = 'PR400';
         END IF;
     ELSE
-        v_lock := bucket_lock_exclusive_v1(p_tenant, v_bucket);
+        BEGIN
+            v_lock := bucket_lock_exclusive_v1(p_tenant, v_bucket);
+            UPDATE stock_bucket SET version = version + 1
+            WHERE tenant_id = p_tenant AND bucket_id = v_bucket
+              AND (p_if_match IS NULL OR version = ANY (p_if_match));
+            IF NOT FOUND THEN
+                RAISE EXCEPTION 'stock line version does not match' USING ERRCODE = 'PR428';
+            END IF;
+        EXCEPTION WHEN SQLSTATE 'PR428' THEN
+            RETURN stock_precondition_failed_v1(p_tenant, p_sku, p_location);
+        END;
         PERFORM bucket_apply_on_hand_v1(
             p_tenant, v_bucket, v_lock.o_held,
             (v_lock.o_bucket).on_hand - (v_lock.o_bucket).shortfall + p_delta, p_force, v_now);
@@ -119,6 +184,16 @@ BEGIN
                                          'reason', p_reason));
     RETURN v_outcome;
 END $$;
+
+-- The unconditional form (kept for callers of the first signature).
+CREATE OR REPLACE FUNCTION stock_adjust_v1(p_tenant bigint, p_key text, p_digest text, p_sku text,
+                                p_location text, p_delta bigint, p_reason text,
+                                p_force boolean DEFAULT false,
+                                p_now timestamptz DEFAULT NULL)
+RETURNS jsonb LANGUAGE sql AS $$
+    SELECT stock_adjust_v2(p_tenant, p_key, p_digest, p_sku, p_location, p_delta, p_reason,
+                           p_force, NULL, p_now)
+$$;
 
 -- Every accounting rule the design promises, per bucket; one row per breach.
 CREATE OR REPLACE FUNCTION invariant_violations_v1(p_tenant bigint DEFAULT NULL,
