@@ -7,11 +7,9 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +24,7 @@ import pgreserve
 from pgreserve.cli import main
 from pgreserve.config import mask_password
 from pgreserve.http.server import ApiServer
+from procs import running
 from test_cli_up import BIN, free_port
 
 
@@ -55,32 +54,9 @@ def running_up(*args: str, cwd: str | Path | None = None,
     environment without PGRESERVE_*) is the process's environment."""
     if "--ops-port" not in args:
         args = (*args, "--ops-port", str(free_port()))
-    proc = subprocess.Popen([str(BIN), "up", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            env=clean_env() if env is None else env, cwd=cwd)
-    lines: list[str] = []
-    up = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if "Press Ctrl-C" in line:
-                up.set()
-        up.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        assert up.wait(180) and proc.poll() is None, "".join(lines)
-        yield lines
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, "".join(lines)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        reader.join(timeout=10)
+    with running([str(BIN), "up", *args], env=clean_env() if env is None else env,
+                 cwd=cwd) as up:
+        yield up.lines
 
 
 @pytest.fixture

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +19,7 @@ from pgreserve import Database, Line, ReservationService
 from pgreserve.db import migrate as migrations
 from pgreserve.db.embedded import EmbeddedServer
 from pgreserve.errors import InvalidRequest
+from procs import running
 from test_cli import clean_env, pgr
 from test_cli_up import BIN, free_port
 from test_migrations import _catalog, _new_database
@@ -182,34 +181,8 @@ def test_a_bad_schema_name_is_refused() -> None:
 def _running(*args: str, ready: str | None) -> Iterator[list[str]]:
     """`pgreserve ARGS` in a subprocess (until `ready` is printed, if given); SIGTERM at
     the end, which must exit 0."""
-    import signal
-
-    proc = subprocess.Popen([str(BIN), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=clean_env())
-    lines: list[str] = []
-    up = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if ready is not None and ready in line:
-                up.set()
-        up.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        if ready is not None:
-            assert up.wait(180) and proc.poll() is None, "".join(lines)
-        yield lines
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, "".join(lines)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        reader.join(timeout=10)
+    with running([str(BIN), *args], env=clean_env(), ready=ready) as proc:
+        yield proc.lines
 
 
 def test_serve_worker_and_doctor_with_another_schema(pg_server: EmbeddedServer) -> None:

@@ -9,7 +9,6 @@ import socket
 import ssl
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from procs import Running, running
 from test_cli import clean_env, pgr
 from test_cli_up import BIN, free_port
 
@@ -30,49 +30,17 @@ def folder() -> Iterator[Path]:
     shutil.rmtree(root, ignore_errors=True)
 
 
-class Serving:
-    """A running `pgreserve serve` subprocess and its output so far."""
-
-    def __init__(self, proc: subprocess.Popen[str], lines: list[str]) -> None:
-        self.proc = proc
-        self.lines = lines
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
+Serving = Running
 
 
 @contextmanager
 def serving(*args: str, env: dict[str, str] | None = None, stop: bool = True,
-            ready: str = "Press Ctrl-C") -> Iterator[Serving]:
+            ready: str = "Press Ctrl-C") -> Iterator[Running]:
     """`pgreserve serve --no-ops ARGS` until its banner (`ready`) is out; SIGTERM (exit 0)
     at the end unless `stop` is False (the test stops it)."""
-    proc = subprocess.Popen([str(BIN), "serve", "--no-ops", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env or clean_env())
-    lines: list[str] = []
-    up = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if ready in line:
-                up.set()
-        up.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        assert up.wait(120) and proc.poll() is None, "".join(lines)
-        yield Serving(proc, lines)
-        if stop:
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=60) == 0, "".join(lines)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        reader.join(timeout=10)
+    with running([str(BIN), "serve", "--no-ops", *args], env=env or clean_env(), ready=ready,
+                 stop=stop, wait_s=120) as served:
+        yield served
 
 
 def api_key(dsn: str) -> str:
@@ -134,7 +102,7 @@ def test_unix_socket_from_the_settings_file(dsn: str, folder: Path) -> None:
             assert put.status_code == 201, put.text
             assert put.json()["on_hand"] == 5
     lines = [json.loads(line) for line in log.read_text().splitlines()]
-    assert [(e["method"], e["status"], e["client"]) for e in lines] == [("PUT", 200, None)]
+    assert [(e["method"], e["status"], e["client"]) for e in lines] == [("PUT", 201, None)]
 
 
 @pytest.mark.parametrize(("options", "client"), [
@@ -229,7 +197,7 @@ def test_sigterm_lets_an_in_flight_request_finish(dsn: str) -> None:
             if not chunk:
                 break
             answer += chunk
-        assert answer.startswith(b"HTTP/1.1 200 "), answer
+        assert answer.startswith(b"HTTP/1.1 201 "), answer
         assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["on_hand"] == 42
         assert server.proc.wait(timeout=60) == 0, server.output
 
@@ -248,7 +216,7 @@ def test_graceful_shutdown_timeout_cuts_a_stalled_request(dsn: str) -> None:
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(timeout=60) == 0, server.output
         conn.settimeout(10)
-        assert not conn.recv(65536).startswith(b"HTTP/1.1 200")
+        assert not conn.recv(65536).startswith(b"HTTP/1.1 2")
 
 
 def test_workers_processes_share_the_request_log_file_and_server_options(
