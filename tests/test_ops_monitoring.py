@@ -36,6 +36,9 @@ async def test_statements_carry_their_tag_into_pg_stat_statements(dsn: str) -> N
     pg_stat_statements ends with the static sqlcommenter tag, unbatched and batched."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        # The statistics are the server's, of every test database so far: emptied, so
+        # entries used once are not evicted to make room (pg_stat_statements.max).
+        conn.execute("SELECT pg_stat_statements_reset()")
     async with Database(dsn, role_pools=True, application_name="pgreserve:test") as db:
         svc = ReservationService(db, batching=False)
         tenant = await svc.create_tenant("acme")
