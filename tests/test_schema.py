@@ -201,7 +201,7 @@ def test_serve_worker_and_doctor_with_another_schema(pg_server: EmbeddedServer) 
                   ready="Press Ctrl-C") as served, _running("worker", *db, ready=None), \
             httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
                          headers={"Authorization": f"Bearer {key}"}) as client:
-        assert any("tenant create NAME" in x and x.rstrip().endswith("--schema other")
+        assert any("tenant create NAME" in x and "--schema other" in x
                    for x in served), served
         assert client.put("/v1/stock/wh/sku-1", json={"on_hand": 5}).status_code == 201
         sold = client.post("/v1/reservations", headers={"Idempotency-Key": "order-1"},
