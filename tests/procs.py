@@ -14,9 +14,17 @@ from pathlib import Path
 class Running:
     """A running command and its output so far."""
 
-    def __init__(self, proc: subprocess.Popen[str], lines: list[str]) -> None:
+    def __init__(self, proc: subprocess.Popen[str], lines: list[str],
+                 reader: threading.Thread) -> None:
         self.proc = proc
         self.lines = lines
+        self.reader = reader
+
+    def stop(self) -> None:
+        """SIGTERM, which must exit 0; returns once every line of its output is read."""
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(timeout=60) == 0, self.output
+        self.reader.join(timeout=10)
 
     @property
     def output(self) -> str:
@@ -48,10 +56,10 @@ def running(argv: Sequence[str], *, env: dict[str, str], ready: str | None = "Pr
     try:
         if ready is not None:
             assert up.wait(wait_s) and proc.poll() is None, "".join(lines)
-        yield Running(proc, lines)
-        if stop:
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=60) == 0, "".join(lines)
+        done = Running(proc, lines, reader)
+        yield done
+        if stop and proc.poll() is None:
+            done.stop()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -5,15 +5,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 import httpx
+
+from procs import Running, running
 
 BIN = Path(sys.executable).parent / "pgreserve"
 
@@ -32,54 +32,42 @@ def test_up_tenant_create_reserve_and_sigterm() -> None:
     data = str(root / "data")
     port, ops_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PGRESERVE_")}
-    proc = subprocess.Popen([str(BIN), "up", "--data-dir", data, "--port", str(port),
-                             "--ops-port", str(ops_port), "--log-format", "json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: list[str] = []
-    up = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if "Press Ctrl-C" in line:
-                up.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
     try:
-        assert up.wait(120), "".join(lines)
-        assert any(f"http://127.0.0.1:{port}" in x for x in lines)
-        assert any("tenant create" in x for x in lines)
-        created = subprocess.run([str(BIN), "tenant", "create", "shop", "--json",
-                                  "--data-dir", data], capture_output=True, text=True,
-                                 env=env, timeout=120, check=True)
-        doc = json.loads(created.stdout)
-        assert doc["tenant"] == "shop" and doc["api_key"].startswith("pgr_")
-        headers = {"Authorization": f"Bearer {doc['api_key']}"}
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=headers,
-                          timeout=30) as client:
-            assert client.get("/healthz").json() == {"status": "ok"}
-            assert client.put("/v1/stock/wh/sku-1", json={"on_hand": 5}).status_code == 201
-            resp = client.post("/v1/reservations", headers={"Idempotency-Key": "order-1"},
-                               json={"lines": [{"sku": "sku-1", "location": "wh",
-                                                "quantity": 2}]})
-            assert resp.status_code == 201 and resp.json()["status"] == "active"
-            for path in ("/metrics", "/ops", "/ops.json"):
-                assert client.get(path).status_code == 404, path
-                assert httpx.get(f"http://127.0.0.1:{ops_port}{path}",
-                                 timeout=30).status_code == 200, path
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, "".join(lines)
-        reader.join(timeout=10)
-        assert any("stopped cleanly" in x for x in lines)
-        assert any(f"http://127.0.0.1:{ops_port}/ops" in x for x in lines)
-        logged = [json.loads(x) for x in lines if x.startswith('{"ts"')]
-        assert any(x.get("route") == "/v1/reservations" and x.get("status") == 201
-                   and x.get("request_key") == "order-1" for x in logged), lines
-        assert doc["api_key"] not in "".join(lines)
+        with running([str(BIN), "up", "--data-dir", data, "--port", str(port), "--ops-port",
+                      str(ops_port), "--log-format", "json"], env=env, wait_s=120) as up:
+            _serve_and_stop(up, data, env, port, ops_port)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _serve_and_stop(up: Running, data: str, env: dict[str, str], port: int,
+                    ops_port: int) -> None:
+    """The checks of test_up_tenant_create_reserve_and_sigterm on the running `up`."""
+    lines = up.lines
+    assert any(f"http://127.0.0.1:{port}" in x for x in lines)
+    assert any("tenant create" in x for x in lines)
+    created = subprocess.run([str(BIN), "tenant", "create", "shop", "--json",
+                              "--data-dir", data], capture_output=True, text=True,
+                             env=env, timeout=120, check=True)
+    doc = json.loads(created.stdout)
+    assert doc["tenant"] == "shop" and doc["api_key"].startswith("pgr_")
+    headers = {"Authorization": f"Bearer {doc['api_key']}"}
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=headers,
+                      timeout=30) as client:
+        assert client.get("/healthz").json() == {"status": "ok"}
+        assert client.put("/v1/stock/wh/sku-1", json={"on_hand": 5}).status_code == 201
+        resp = client.post("/v1/reservations", headers={"Idempotency-Key": "order-1"},
+                           json={"lines": [{"sku": "sku-1", "location": "wh",
+                                            "quantity": 2}]})
+        assert resp.status_code == 201 and resp.json()["status"] == "active"
+        for path in ("/metrics", "/ops", "/ops.json"):
+            assert client.get(path).status_code == 404, path
+            assert httpx.get(f"http://127.0.0.1:{ops_port}{path}",
+                             timeout=30).status_code == 200, path
+    up.stop()
+    assert any("stopped cleanly" in x for x in lines)
+    assert any(f"http://127.0.0.1:{ops_port}/ops" in x for x in lines)
+    logged = [json.loads(x) for x in lines if x.startswith('{"ts"')]
+    assert any(x.get("route") == "/v1/reservations" and x.get("status") == 201
+               and x.get("request_key") == "order-1" for x in logged), lines
+    assert doc["api_key"] not in "".join(lines)
