@@ -8,17 +8,19 @@ from .db.schema import DEFAULT_SCHEMA, ENV, use
 from .errors import InvalidRequest
 
 
-def _use_option(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+def use_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """The --schema callback: the name checked, then this process's schema."""
     if value is not None:
         try:
             use(value)
         except InvalidRequest as exc:
             raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+    return value
 
 
 # `--schema` beside `--database-url`: it sets PGRESERVE_SCHEMA for the command, so
 # every pool, worker, monitor and child process the command starts uses it.
 schema_option = click.option(
     "--schema", envvar=ENV, default=None, show_envvar=True, expose_value=False,
-    is_eager=True, callback=_use_option,
+    is_eager=True, callback=use_option,
     help=f"PostgreSQL schema of pgreserve's tables and functions (default {DEFAULT_SCHEMA}).")

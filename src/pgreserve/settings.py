@@ -23,9 +23,8 @@ import click
 from click.core import ParameterSource
 
 from .config import mask_password
-from .db import schema
 from .db.schema import DEFAULT_SCHEMA
-from .errors import InvalidRequest
+from .schema_cli import use_option
 
 CONFIG_ENVVAR = "PGRESERVE_CONFIG"
 # ctx.meta keys: the parsed file, and where each setting came from
@@ -114,13 +113,9 @@ def _root_path(ctx: click.Context, param: click.Parameter, value: str | None) ->
 
 
 def _schema(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """--schema: checked, then this process's (and its children's) schema (db/schema.py)."""
-    if value is not None:
-        try:
-            schema.use(value)
-        except InvalidRequest as exc:
-            raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
-    ctx.meta.setdefault(_HIDDEN_META, {})["schema"] = value
+    """--schema: checked, then this process's (and its children's) schema (db/schema.py);
+    kept for the Settings the command does not receive it in."""
+    ctx.meta.setdefault(_HIDDEN_META, {})["schema"] = use_option(ctx, param, value)
     return value
 
 
