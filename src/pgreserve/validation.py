@@ -186,6 +186,9 @@ def allocated_cart(lines: list[Any]) -> tuple[list[Line], list[AllocatedLine]]:
     most one per SKU."""
     explicit: list[Any] = []
     allocated: list[AllocatedLine] = []
+    sku: Any
+    qty: Any
+    split: Any
     for i, raw in enumerate(lines):
         if isinstance(raw, AllocatedLine):
             sku, qty, split = raw.sku, raw.quantity, raw.split

@@ -553,8 +553,8 @@ class ReservationService:
         return tuple(str(x) for x in rows[0][0]["locations"])
 
     async def update_sku(self, tenant: int, sku: str, *,
-                         cart_limit: int | None | Unset = UNSET,
-                         location_priority: Iterable[str] | None | Unset = UNSET,
+                         cart_limit: int | Unset | None = UNSET,
+                         location_priority: Iterable[str] | Unset | None = UNSET,
                          ) -> SkuSettings:
         """Set what is given of a SKU's settings, in one transaction: its per-cart limit
         (None removes it, see `set_cart_limit`) and its own location order (None removes

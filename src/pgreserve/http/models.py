@@ -13,6 +13,7 @@ from pydantic import (
     Field,
     StrictBool,
     StrictStr,
+    model_validator,
 )
 
 from ..domain import MAX_LINES, MAX_NAME, MAX_QUANTITY, Reservation, StockView, Webhook
@@ -75,26 +76,60 @@ class StockAdjust(Strict):
 
 class LineIn(Strict):
     sku: Name
-    location: Name
+    location: Name | None = Field(
+        default=None, description="absent or null: the tenant's location priority decides "
+                                  "where the units come from (at most one such line per SKU)")
     quantity: Quantity
+    split: StrictBool = Field(
+        default=False, description="only for a line without a location: may take the units "
+                                   "from several locations, in priority order (otherwise all "
+                                   "from the first location that has them all)")
+
+    @model_validator(mode="after")
+    def _split_needs_allocation(self) -> LineIn:
+        if self.split and self.location is not None:
+            raise ValueError("split applies only to a line without a location")
+        return self
 
 
 class ReserveIn(Strict):
-    """A cart: at most 100 lines, each naming a different (sku, location)."""
+    """A cart: at most 100 lines, each naming a different (sku, location), or a SKU
+    without a location."""
 
     lines: Annotated[list[LineIn], Field(min_length=1, max_length=MAX_LINES)]
     ttl_seconds: TtlSeconds = 900
 
 
 class SkuSettingsIn(Strict):
+    """The settings to change (at least one); a setting not given stays as it is."""
+
     cart_limit: Quantity | None = Field(
+        default=None,
         description="at most this many units of the SKU in one reservation, over all its "
                     "lines and locations; null: no limit")
+    location_priority: Annotated[list[Name], Field(max_length=MAX_LINES)] | None = Field(
+        default=None,
+        description="the SKU's own location order for lines without a location, in place "
+                    "of the tenant's; null: none (the tenant's applies)")
+
+    @model_validator(mode="after")
+    def _something(self) -> SkuSettingsIn:
+        if not self.model_fields_set:
+            raise ValueError("give cart_limit, location_priority or both")
+        return self
 
 
 class SkuSettingsOut(BaseModel):
     sku: str
     cart_limit: int | None
+    location_priority: list[str] | None
+
+
+class LocationPriority(Strict):
+    """The tenant's location order for lines without a location. Locations it does not
+    name come after the named ones, in name order; an empty list: name order."""
+
+    locations: Annotated[list[Name], Field(max_length=MAX_LINES)]
 
 
 class ExtendIn(Strict):

@@ -102,6 +102,7 @@ STATUS: dict[type[errors.PgReserveError], tuple[int, str]] = {
     errors.ApiKeyNotFound: (404, "API key not found"),
     errors.FreezeNotFound: (404, "Not frozen"),
     errors.WebhookUrlRefused: (422, "Webhook URL refused"),
+    errors.AllocationUnavailable: (422, "Allocation across locations unavailable"),
     errors.IdempotencyKeyReused: (422, "Idempotency-Key reused with another request"),
     errors.WouldOversell: (409, "Adjustment would oversell"),
     errors.PreconditionFailed: (412, "Precondition failed"),
@@ -145,7 +146,7 @@ def status_of(exc: errors.PgReserveError) -> tuple[int, str]:
 
 class ShortLine(BaseModel):
     sku: str
-    location: str
+    location: str | None  # null: a line without a location (allocated)
     requested: int
     available: int
 

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from ... import errors
-from ...domain import Reservation, ReserveOutcome
+from ...domain import AllocatedLine, Reservation, ReserveOutcome
 from .. import conditional, problems
 from ..dependencies import Authenticated, Caller, Holds, KeyHeader, Tenant, request_key
 from ..models import ExtendIn, ReservationOut, ReserveIn, reservation_doc
@@ -31,7 +31,8 @@ async def reserve(body: ReserveIn, caller: Authenticated, request: Request,
     tenant = caller.tenant
     async with caller.keys.hold(tenant, key):
         outcome = await caller.holds.reserve(
-            tenant, key, [(x.sku, x.location, x.quantity) for x in body.lines],
+            tenant, key, [(x.sku, x.location, x.quantity) if x.location is not None
+                          else AllocatedLine(x.sku, x.quantity, x.split) for x in body.lines],
             ttl=body.ttl_seconds)
     caller.metrics.http_reserve_outcomes.labels("held" if outcome.held else "rejected",
                                          str(outcome.replayed).lower()).inc()
