@@ -69,10 +69,13 @@ async def test_http_allocated_rejections_and_bad_input(api: ApiTenant, dsn: str)
                 [{"sku": "tee", "quantity": 1}, {"sku": "tee", "quantity": 2}],
                 [{"sku": "tee", "quantity": 1, "split": "yes"}]):
         assert_problem(await post_cart(api, "k2", bad), 422, "invalid_request")
-    for body in ({"locations": ["a", "a"]}, {"locations": "a"}, {}, {"locations": [""]}):
+    bodies: list[dict[str, Any]] = [{"locations": ["a", "a"]}, {"locations": "a"}, {},
+                                    {"locations": [""]}]
+    for body in bodies:
         assert_problem(await api.client.put("/v1/locations/priority", json=body), 422,
                        "invalid_request")
-    for body in ({}, {"location_priority": [1]}, {"location_priority": ["x", "x"]}):
+    bodies = [{}, {"location_priority": [1]}, {"location_priority": ["x", "x"]}]
+    for body in bodies:
         assert_problem(await api.client.put("/v1/skus/tee", json=body), 422, "invalid_request")
     assert_problem(await post_cart(api, "k3", [{"sku": "nope", "quantity": 1}]), 404,
                    "unknown_stock")
