@@ -77,8 +77,9 @@ async def test_http_allocated_rejections_and_bad_input(api: ApiTenant, dsn: str)
     bodies = [{}, {"location_priority": [1]}, {"location_priority": ["x", "x"]}]
     for body in bodies:
         assert_problem(await api.client.put("/v1/skus/tee", json=body), 422, "invalid_request")
-    assert_problem(await post_cart(api, "k3", [{"sku": "nope", "quantity": 1}]), 404,
-                   "unknown_stock")
+    unknown = assert_problem(await post_cart(api, "k3", [{"sku": "nope", "quantity": 1}]),
+                             404, "unknown_stock")
+    assert unknown["unknown_stock"] == [{"sku": "nope", "location": None}]
     assert table_counts(dsn) == before
 
 

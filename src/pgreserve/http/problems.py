@@ -156,6 +156,11 @@ class StockRef(BaseModel):
     location: str
 
 
+class UnknownStockRef(BaseModel):
+    sku: str
+    location: str | None  # null: a line without a location whose SKU has no stock line
+
+
 class LimitedLine(BaseModel):
     sku: str
     limit: int
@@ -179,7 +184,7 @@ class Problem(BaseModel):
     detail: str
     code: str
     short_lines: list[ShortLine] | None = None
-    unknown_stock: list[StockRef] | None = None
+    unknown_stock: list[UnknownStockRef] | None = None
     frozen_lines: list[StockRef] | None = None
     limited_lines: list[LimitedLine] | None = None
     errors: list[FieldError] | None = None
@@ -252,10 +257,11 @@ def problem_response(exc: errors.PgReserveError, headers: dict[str, str] | None 
     return ProblemResponse(render(doc), doc["status"], hdrs, str(doc["code"]))
 
 
-def unknown_stock_refs(exc: errors.PgReserveError) -> list[dict[str, str]] | None:
+def unknown_stock_refs(exc: errors.PgReserveError) -> list[dict[str, str | None]] | None:
     detail = exc.details.get("detail")
     if isinstance(detail, list):
-        return [{"sku": str(d["sku"]), "location": str(d["location"])}
+        return [{"sku": str(d["sku"]),
+                 "location": None if d["location"] is None else str(d["location"])}
                 for d in detail if isinstance(d, dict) and "sku" in d and "location" in d]
     return None
 
