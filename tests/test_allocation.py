@@ -4,6 +4,7 @@ from one location or split over several; the answer says where each unit is held
 
 from __future__ import annotations
 
+import psycopg
 import pytest
 
 from conftest import Clock, table_counts
@@ -36,7 +37,43 @@ async def test_an_unsplit_line_takes_the_first_location_in_priority_order_that_c
     two = await service.reserve(tenant.id, "k2", [("tee", None, 3)])
     assert two.reservation is not None and two.reservation.lines == (Line("tee", "berlin", 3),)
     assert await available(service, tenant, "tee") == {"berlin": 7, "paris": 1, "rome": 10}
+    # a one-line allocated hold is claimed (through its bucket's group commit) there
+    await service.claim(tenant.id, one.reservation.id)
+    assert (await service.get_stock(tenant.id, "tee", "paris")).on_hand == 1
     assert await service.invariant_violations(tenant.id) == []
+
+
+async def test_an_allocated_cart_in_the_callers_transaction_rolls_back_with_it(
+        service: ReservationService, tenant: Tenant, plain_dsn: str) -> None:
+    """With conn=, an allocated hold is made inside the caller's open transaction: a
+    rollback leaves no hold and the key free; a commit keeps the allocation."""
+    await stock(service, tenant, "tee", berlin=3, paris=3)
+    async with await psycopg.AsyncConnection.connect(plain_dsn, autocommit=True) as shop:
+        async with shop.transaction(force_rollback=True):
+            out = await service.reserve(tenant.id, "order-1",
+                                        [AllocatedLine("tee", 4, split=True)], conn=shop)
+            assert out.held
+        assert await available(service, tenant, "tee") == {"berlin": 3, "paris": 3}
+        async with shop.transaction():
+            out = await service.reserve(tenant.id, "order-1",
+                                        [AllocatedLine("tee", 4, split=True)], conn=shop)
+    assert out.reservation is not None and not out.replayed
+    assert out.reservation.lines == (Line("tee", "berlin", 3), Line("tee", "paris", 1))
+    assert await available(service, tenant, "tee") == {"berlin": 0, "paris": 2}
+
+
+async def test_a_split_over_more_than_100_locations_is_refused_and_holds_nothing(
+        service: ReservationService, tenant: Tenant, dsn: str) -> None:
+    """A reservation holds at most 100 lines: a split line that would need 101 locations
+    is InvalidRequest and takes nothing; 100 locations are held."""
+    for n in range(101):
+        await service.set_stock(tenant.id, "pin", f"loc{n:03}", 1)
+    before = table_counts(dsn)
+    with pytest.raises(InvalidRequest, match="at most 100 lines"):
+        await service.reserve(tenant.id, "k1", [AllocatedLine("pin", 101, split=True)])
+    assert table_counts(dsn) == before
+    out = await service.reserve(tenant.id, "k1", [AllocatedLine("pin", 100, split=True)])
+    assert out.reservation is not None and len(out.reservation.lines) == 100
 
 
 async def test_unlisted_locations_follow_the_listed_ones_in_name_order(

@@ -58,6 +58,11 @@ Reason = Annotated[StrictStr, Field(max_length=MAX_NAME, pattern=r"^[^\x00]*$"),
                    AfterValidator(storable)]
 
 
+# A location priority: at most 100 names, none twice (the service refuses a repeat).
+LocationNames = Annotated[list[Name], Field(max_length=MAX_LINES,
+                                            json_schema_extra={"uniqueItems": True})]
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -103,11 +108,13 @@ class ReserveIn(Strict):
 class SkuSettingsIn(Strict):
     """The settings to change (at least one); a setting not given stays as it is."""
 
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"minProperties": 1})
+
     cart_limit: Quantity | None = Field(
         default=None,
         description="at most this many units of the SKU in one reservation, over all its "
                     "lines and locations; null: no limit")
-    location_priority: Annotated[list[Name], Field(max_length=MAX_LINES)] | None = Field(
+    location_priority: LocationNames | None = Field(
         default=None,
         description="the SKU's own location order for lines without a location, in place "
                     "of the tenant's; null: none (the tenant's applies)")
@@ -129,7 +136,7 @@ class LocationPriority(Strict):
     """The tenant's location order for lines without a location. Locations it does not
     name come after the named ones, in name order; an empty list: name order."""
 
-    locations: Annotated[list[Name], Field(max_length=MAX_LINES)]
+    locations: LocationNames
 
 
 class ExtendIn(Strict):

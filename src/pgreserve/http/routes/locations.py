@@ -16,12 +16,12 @@ router = APIRouter(tags=["stock"])
 @router.put("/v1/locations/priority", response_model=LocationPriority,
             responses=problems.responses(413, *COMMON),
             summary="Set the order in which lines without a location take from locations")
-async def put_priority(body: LocationPriority, tenant: Tenant, svc: Service) -> Response:
+async def set_location_priority(body: LocationPriority, tenant: Tenant, svc: Service) -> Response:
     order = await svc.set_location_priority(tenant, body.locations)
     return json_response(200, {"locations": list(order)})
 
 
 @router.get("/v1/locations/priority", response_model=LocationPriority,
             responses=problems.responses(*COMMON))
-async def get_priority(tenant: Tenant, svc: Service) -> Response:
+async def get_location_priority(tenant: Tenant, svc: Service) -> Response:
     return json_response(200, {"locations": list(await svc.location_priority(tenant))})
