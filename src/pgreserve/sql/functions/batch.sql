@@ -141,15 +141,45 @@ BEGIN
             WHERE tenant_id = p_tenant AND reservation_id = u.id) l ON true;
     END IF;
 
-    SELECT * INTO b FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
-    FOR NO KEY UPDATE;
-    IF NOT FOUND THEN
-        RETURN to_jsonb(array_fill('{"retry": true}'::jsonb, ARRAY[v_n]));
+    -- A batch of reserves only, at a plainly sold-out bucket, needs no bucket
+    -- lock: one statement sees, at one instant, less free than the smallest
+    -- request, no unit in the pool (a unit another batch is taking still
+    -- counts: its delete has not committed) and no hold past its expiry, as
+    -- reserve_v1's sold-out probe does. Every reserve of it is then refused
+    -- without writing the bucket row, so the sold-out batches of several
+    -- processes commit side by side instead of one after another.
+    IF p_kinds <@ ARRAY['reserve'] THEN
+        SELECT * INTO b FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+        IF NOT FOUND THEN
+            RETURN to_jsonb(array_fill('{"retry": true}'::jsonb, ARRAY[v_n]));
+        END IF;
+        IF b.free < (SELECT min(q) FROM unnest(p_quantities) AS q) THEN
+            v_now := coalesce(p_now, clock_timestamp());
+            SELECT x.free, x.free < (SELECT min(q) FROM unnest(p_quantities) AS q)
+                   AND NOT EXISTS (SELECT 1 FROM stock_unit u
+                                   WHERE u.tenant_id = p_tenant AND u.bucket_id = p_bucket)
+                   AND NOT EXISTS (SELECT 1 FROM reservation_line l
+                                   WHERE l.tenant_id = p_tenant AND l.bucket_id = p_bucket
+                                     AND l.held AND l.expires_at <= v_now)
+            INTO v_free, v_looked
+            FROM stock_bucket x WHERE x.tenant_id = p_tenant AND x.bucket_id = p_bucket;
+        END IF;
     END IF;
-    -- the batch's instant: after its lock waits, so expiry is judged now
-    v_now := coalesce(p_now, clock_timestamp());
-    v_free := b.free;
-    v_shortfall := b.shortfall;
+    IF v_looked THEN
+        -- plainly sold out: every reserve below is refused (v_looked skips
+        -- the look, v_free is the free count of that instant)
+        v_shortfall := b.shortfall;
+    ELSE
+        SELECT * INTO b FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+        FOR NO KEY UPDATE;
+        IF NOT FOUND THEN
+            RETURN to_jsonb(array_fill('{"retry": true}'::jsonb, ARRAY[v_n]));
+        END IF;
+        -- the batch's instant: after its lock waits, so expiry is judged now
+        v_now := coalesce(p_now, clock_timestamp());
+        v_free := b.free;
+        v_shortfall := b.shortfall;
+    END IF;
 
     SELECT array_agg(request_key), array_agg(operation), array_agg(digest), array_agg(outcome)
     INTO k_keys, k_ops, k_digests, k_outcomes
