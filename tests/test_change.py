@@ -332,3 +332,22 @@ async def test_repeated_changes_keep_each_line_restored_at_most_once(
     await service.release(tenant.id, rid.id)
     assert [await available(service, tenant.id, s) for s in "ab"] == [50, 50]
     assert await service.invariant_violations(tenant.id) == []
+
+
+async def test_a_reservation_out_of_line_numbers_is_refused_and_unchanged(
+        service: ReservationService, tenant: Tenant, dsn: str) -> None:
+    """When the next line numbers could pass smallint's range (a cart changed some 300
+    times), the change is InvalidRequest and nothing changes or is stored."""
+    await stocked(service, tenant.id, "row", a=10, b=10)
+    rid = (await service.reserve(tenant.id, "r1", [("a", "w", 2)])).reservation
+    assert rid is not None
+    with psycopg.connect(dsn) as conn:
+        conn.execute("UPDATE reservation_line SET line_no = 32767 WHERE reservation_id = %s",
+                     (rid.id,))
+    before = table_counts(dsn)
+    with pytest.raises(InvalidRequest, match="changed too often"):
+        await service.change(tenant.id, rid.id, [("a", "w", 2), ("b", "w", 1)],
+                             request_key="c1")
+    assert table_counts(dsn) == before
+    assert lines_of(dsn, rid.id) == [(32767, "a@w", 2, True)]
+    assert await available(service, tenant.id, "b") == 10
