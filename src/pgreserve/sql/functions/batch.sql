@@ -49,6 +49,7 @@ DECLARE
     r_bucket bigint[];
     r_qty integer[];
     r_held boolean[];
+    r_line integer[];
     -- stored outcomes by key (grows as the batch decides: a repeat replays)
     k_keys text[];
     k_ops text[];
@@ -131,12 +132,13 @@ BEGIN
         ORDER BY reservation_id, line_no
         FOR UPDATE;
         SELECT array_agg(coalesce(l.lines, 0) ORDER BY u.n), array_agg(l.bucket ORDER BY u.n),
-               array_agg(l.qty ORDER BY u.n), array_agg(l.held ORDER BY u.n)
-        INTO r_lines, r_bucket, r_qty, r_held
+               array_agg(l.qty ORDER BY u.n), array_agg(l.held ORDER BY u.n),
+               array_agg(l.line_no ORDER BY u.n)
+        INTO r_lines, r_bucket, r_qty, r_held, r_line
         FROM unnest(r_ids) WITH ORDINALITY AS u(id, n)
         LEFT JOIN LATERAL (
             SELECT count(*)::integer AS lines, min(bucket_id) AS bucket,
-                   min(quantity) AS qty, bool_or(held) AS held
+                   min(quantity) AS qty, bool_or(held) AS held, min(line_no) AS line_no
             FROM reservation_line
             WHERE tenant_id = p_tenant AND reservation_id = u.id) l ON true;
     END IF;
@@ -298,7 +300,8 @@ BEGIN
                 'error', 'PR410', 'message', format('unknown reservation %s', p_ids[i]));
             CONTINUE;
         END IF;
-        IF r_lines[j] <> 1 OR r_bucket[j] <> p_bucket THEN
+        -- (a changed cart's one line may have another number than 1: it goes alone)
+        IF r_lines[j] <> 1 OR r_bucket[j] <> p_bucket OR r_line[j] <> 1 THEN
             v_out[i] := '{"retry": true}';
             CONTINUE;
         END IF;
