@@ -90,7 +90,8 @@ def test_openapi_documents_allocation() -> None:
     doc = create_app("postgresql:///unused").openapi()
     assert {"put", "get"} <= set(doc["paths"]["/v1/locations/priority"])
     schemas = doc["components"]["schemas"]
-    line = schemas["LineIn"]
+    line = schemas["ReserveLineIn"]
+    assert set(schemas["LineIn"]["required"]) == {"sku", "location", "quantity"}  # a change
     assert set(line["required"]) == {"sku", "quantity"}
     assert {"type": "null"} in line["properties"]["location"]["anyOf"]
     assert line["properties"]["split"]["type"] == "boolean"

@@ -214,7 +214,7 @@ _REJECTIONS = ("insufficient_stock", "cart_limit_exceeded")
 
 def _outcome(response: httpx.Response) -> ReserveOutcome:
     replayed = response.headers.get(REPLAYED_HEADER) == "true"
-    if response.status_code == 201:
+    if response.status_code in (200, 201):  # 201 reserve, 200 change
         return ReserveOutcome(True, Reservation.from_json(response.json(), replayed),
                               (), replayed)
     doc = response.json()
@@ -297,6 +297,12 @@ class _Base:
         return _Call("POST", "/v1/reservations",
                      {"lines": _lines(lines), "ttl_seconds": ttl_seconds}, _new_key(key),
                      ok=(201,))
+
+    @staticmethod
+    def _change(reservation_id: str, lines: Iterable[Line | tuple[str, str, int]],
+                key: str | None) -> _Call:
+        return _Call("PUT", _path("v1", "reservations", reservation_id, "lines"),
+                     {"lines": _lines(lines)}, _new_key(key), ok=(200, 409))
 
     @staticmethod
     def _transition(action: str, reservation_id: str, key: str | None,
@@ -418,6 +424,13 @@ class Client(_Base):
         call = _Call(call.method, call.path, call.body, call.key, ok=(201, 409))
         return _outcome(self._send(call))
 
+    def change(self, reservation_id: str, lines: Sequence[Line | tuple[str, str, int]], *,
+               idempotency_key: str | None = None) -> ReserveOutcome:
+        """Make an active reservation hold exactly `lines` (the whole new cart), or change
+        nothing: a short line is an outcome with held False (its short_lines), as for
+        reserve. Retried with the same key, so a lost answer is not applied twice."""
+        return _outcome(self._send(self._change(reservation_id, lines, idempotency_key)))
+
     def claim(self, reservation_id: str, *, idempotency_key: str | None = None) -> Reservation:
         return _reservation(self._send(self._transition("claim", reservation_id,
                                                         idempotency_key)))
@@ -538,6 +551,14 @@ class AsyncClient(_Base):
         call = self._reserve(lines, ttl_seconds, idempotency_key)
         call = _Call(call.method, call.path, call.body, call.key, ok=(201, 409))
         return _outcome(await self._send(call))
+
+    async def change(self, reservation_id: str, lines: Sequence[Line | tuple[str, str, int]],
+                     *, idempotency_key: str | None = None) -> ReserveOutcome:
+        """Make an active reservation hold exactly `lines` (the whole new cart), or change
+        nothing: a short line is an outcome with held False (its short_lines), as for
+        reserve. Retried with the same key, so a lost answer is not applied twice."""
+        return _outcome(await self._send(self._change(reservation_id, lines,
+                                                      idempotency_key)))
 
     async def claim(self, reservation_id: str, *,
                     idempotency_key: str | None = None) -> Reservation:

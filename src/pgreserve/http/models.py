@@ -81,6 +81,14 @@ class StockAdjust(Strict):
 
 class LineIn(Strict):
     sku: Name
+    location: Name
+    quantity: Quantity
+
+
+class ReserveLineIn(Strict):
+    """A line of a cart to hold: a SKU at a location, or a SKU without one."""
+
+    sku: Name
     location: Name | None = Field(
         default=None, description="absent or null: the tenant's location priority decides "
                                   "where the units come from (at most one such line per SKU)")
@@ -91,7 +99,7 @@ class LineIn(Strict):
                                    "from the first location that has them all)")
 
     @model_validator(mode="after")
-    def _split_needs_allocation(self) -> LineIn:
+    def _split_needs_allocation(self) -> ReserveLineIn:
         if self.split and self.location is not None:
             raise ValueError("split applies only to a line without a location")
         return self
@@ -101,8 +109,15 @@ class ReserveIn(Strict):
     """A cart: at most 100 lines, each naming a different (sku, location), or a SKU
     without a location."""
 
-    lines: Annotated[list[LineIn], Field(min_length=1, max_length=MAX_LINES)]
+    lines: Annotated[list[ReserveLineIn], Field(min_length=1, max_length=MAX_LINES)]
     ttl_seconds: TtlSeconds = 900
+
+
+class ChangeIn(Strict):
+    """The whole new cart of a held reservation: at most 100 lines, each naming a
+    different (sku, location)."""
+
+    lines: Annotated[list[LineIn], Field(min_length=1, max_length=MAX_LINES)]
 
 
 class SkuSettingsIn(Strict):
@@ -244,7 +259,7 @@ class WebhooksOut(BaseModel):
 
 class RequestOut(BaseModel):
     key: str
-    operation: Literal["reserve", "claim", "release", "extend", "adjust"]
+    operation: Literal["reserve", "claim", "release", "extend", "adjust", "change"]
     outcome: Literal["held", "rejected", "applied"]
     recorded_at: str
     status: int = Field(description="The HTTP status the request was answered with")

@@ -112,6 +112,7 @@ STATUS: dict[type[errors.PgReserveError], tuple[int, str]] = {
     errors.ReservationExpired: (409, "Reservation expired"),
     errors.ReservationNotActive: (409, "Reservation is not active"),
     errors.ExtendWouldShorten: (409, "Extend would shorten the reservation"),
+    errors.ChangeNotMirrored: (409, "Hold kept in the legacy store cannot be changed"),
     errors.Busy: (503, "Busy, retry later"),
     errors.OutcomeUnknown: (503, "Outcome unknown, retry with the same Idempotency-Key"),
     errors.DatabaseUnavailable: (503, "Database unavailable, retry later"),

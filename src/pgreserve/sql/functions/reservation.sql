@@ -45,7 +45,8 @@ RETURNS jsonb LANGUAGE sql STABLE AS $$
                                     THEN r.expires_at END),
         'lines', (SELECT jsonb_agg(jsonb_build_object(
                       'sku', b.sku, 'location', b.location, 'quantity', l.quantity)
-                      ORDER BY l.line_no)
+                      -- the order a cart is held in (a changed cart renumbers lines)
+                      ORDER BY b.sku COLLATE "C", b.location COLLATE "C")
                   FROM reservation_line l
                   JOIN stock_bucket b ON b.tenant_id = l.tenant_id AND b.bucket_id = l.bucket_id
                   WHERE l.tenant_id = r.tenant_id AND l.reservation_id = r.reservation_id))
