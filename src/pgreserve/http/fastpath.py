@@ -123,6 +123,8 @@ class FastPath:
         self.reserve_route = _route(reservations.reserve)
         self.claim_route = _route(reservations.claim)
         self.release_route = _route(reservations.release)
+        # (held, replayed) -> its pgreserve_reservation_outcomes child (four at most)
+        self._outcomes: dict[tuple[bool, bool], Any] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (scope["type"] != "http" or scope["method"] != "POST" or scope.get("query_string")
@@ -203,8 +205,12 @@ class FastPath:
         lines, ttl = cart
         async with caller.keys.hold(caller.tenant, key):
             outcome = await caller.holds.reserve(caller.tenant, key, lines, ttl=ttl)
-        caller.metrics.http_reserve_outcomes.labels("held" if outcome.held else "rejected",
-                                                    str(outcome.replayed).lower()).inc()
+        counted = (outcome.held, outcome.replayed)
+        child = self._outcomes.get(counted)
+        if child is None:
+            child = self._outcomes[counted] = caller.metrics.http_reserve_outcomes.labels(
+                "held" if outcome.held else "rejected", str(outcome.replayed).lower())
+        child.inc()
         return reservations.reserve_response(outcome, Request(scope))
 
     async def transition(self, caller: Caller, operation: str, reservation_id: str,
