@@ -14,7 +14,8 @@ import contextlib
 import io
 import json
 import re
-from collections.abc import AsyncIterator, Iterator
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -24,9 +25,12 @@ import psycopg
 import pytest
 from fastapi import FastAPI
 
-from pgreserve import Database, ReservationService
+from pgreserve import Database, ReservationService, apikeys
+from pgreserve.db.database import deadline_at
+from pgreserve.errors import Busy
 from pgreserve.http import create_app
 from pgreserve.http.app import fast_path_enabled
+from pgreserve.http.dependencies import KeyLookups
 from pgreserve.http.fastpath import cart_of
 from pgreserve.http.requestlog import RequestLog
 from test_concurrency import wait_until_blocked
@@ -311,3 +315,76 @@ def test_the_switch_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> No
     assert fast_path_enabled(None) is True
     assert fast_path_enabled(False) is False
 
+
+
+class CountingService(ReservationService):
+    """The real service, counting its key reads (the database answers them)."""
+
+    reads = 0
+
+    async def tenants_for_api_key_hashes(self, hashes: Sequence[bytes]) -> dict[bytes, int]:
+        self.reads += 1
+        return await super().tenants_for_api_key_hashes(hashes)
+
+
+async def test_concurrent_key_lookups_share_reads_and_each_gets_its_answer(
+        db: Database) -> None:
+    """60 lookups asked at once (a valid key, an unknown one, a revoked one) are answered
+    by fewer reads than lookups, each with its own key's tenant or None."""
+    svc = CountingService(db)
+    good_tenant, good = await svc.create_tenant_with_key("good")
+    gone_tenant, gone = await svc.create_tenant_with_key("gone")
+    await svc.revoke_api_key(gone_tenant.id, apikeys.shown_prefix(gone))
+    unknown = apikeys.new_key()
+    lookups = KeyLookups()
+    keys = [good, unknown, gone] * 20
+    found = await asyncio.gather(*(lookups.tenant(svc, apikeys.hash_key(k)) for k in keys))
+    assert found == [good_tenant.id, None, None] * 20
+    assert 1 <= svc.reads < 60
+
+
+async def test_a_lookup_asked_during_a_read_waits_for_the_next_read(
+        db: Database, dsn: str) -> None:
+    """A lookup asked while a read is in flight is not answered by that read but by one
+    started after it asked: a key revoked meanwhile is refused to it."""
+    svc = CountingService(db)
+    tenant, key = await svc.create_tenant_with_key("acme")
+    digest = apikeys.hash_key(key)
+    lookups = KeyLookups()
+    with psycopg.connect(dsn) as locker:
+        locker.execute("LOCK TABLE api_key IN ACCESS EXCLUSIVE MODE")
+        first = asyncio.create_task(lookups.tenant(svc, digest))
+        await _until_a_backend_waits(dsn)
+        second = asyncio.create_task(lookups.tenant(svc, digest))
+        await asyncio.sleep(0.05)
+        assert not second.done()
+        locker.rollback()
+    assert await first == tenant.id
+    assert await second == tenant.id
+    assert svc.reads == 2
+    await svc.revoke_api_key(tenant.id, apikeys.shown_prefix(key))
+    assert await lookups.tenant(svc, digest) is None
+
+
+async def test_a_failed_read_is_the_error_of_every_lookup_it_answers(db: Database) -> None:
+    """A read that cannot run (every waiter's deadline has passed) raises Busy in each
+    lookup it was to answer, and the next lookup reads again."""
+    svc = CountingService(db)
+    tenant, key = await svc.create_tenant_with_key("acme")
+    lookups = KeyLookups()
+    with deadline_at(time.monotonic() - 1):
+        found = await asyncio.gather(*(lookups.tenant(svc, apikeys.hash_key(key))
+                                       for _ in range(5)), return_exceptions=True)
+    assert all(isinstance(x, Busy) for x in found), found
+    assert await lookups.tenant(svc, apikeys.hash_key(key)) == tenant.id
+
+
+async def _until_a_backend_waits(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for _ in range(500):
+            row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname ="
+                               " current_database() AND wait_event_type = 'Lock'").fetchone()
+            if row is not None and row[0] >= 1:
+                return
+            await asyncio.sleep(0.01)
+    raise AssertionError("no backend ever waited on the lock")
