@@ -16,7 +16,7 @@ import json
 import secrets
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
 from time import perf_counter
 from typing import Any, Literal, LiteralString, Protocol, cast
@@ -282,6 +282,13 @@ class ReservationService:
             (apikeys.hash_key(key),), op=OPS["authenticate"],
         )
         return int(rows[0][0]) if rows else None
+
+    async def tenants_for_api_key_hashes(self, hashes: Sequence[bytes]) -> dict[bytes, int]:
+        """The tenants of the unrevoked API keys among these hashes (apikeys.hash_key), in
+        one read; a hash that names no such key is left out."""
+        rows = await self.db.fetch(queries["api_key_authenticate_many"], (list(hashes),),
+                                   op=OPS["authenticate"])
+        return {bytes(digest): int(tenant) for digest, tenant in rows}
 
     async def tenant_by_name(self, name: str) -> Tenant | None:
         rows = await self.db.fetch(queries["tenant_find_by_name"], (name,),

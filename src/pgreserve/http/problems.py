@@ -252,6 +252,12 @@ def problem_response(exc: errors.PgReserveError, headers: dict[str, str] | None 
     return ProblemResponse(render(doc), doc["status"], hdrs, str(doc["code"]))
 
 
+def error_response(exc: errors.PgReserveError) -> Response:
+    """How a typed error raised by a route leaves the API (its exception handler, and the
+    hot routes' fast path): its problem document, with the unknown stock it names."""
+    return problem_response(exc, unknown_stock=unknown_stock_refs(exc))
+
+
 def unknown_stock_refs(exc: errors.PgReserveError) -> list[dict[str, str]] | None:
     detail = exc.details.get("detail")
     if isinstance(detail, list):
