@@ -121,6 +121,14 @@ class ExtendWouldShorten(PgReserveError):
     code = "extend_would_shorten"
 
 
+class StockPolicyUnsupported(PgReserveError):
+    """Safety stock or a backorder limit asked for while the legacy Redis store decides
+    the tenant's holds (rollout modes legacy and shadow), which knows neither; nothing
+    was written."""
+
+    code = "stock_policy_unsupported"
+
+
 class Busy(PgReserveError):
     """The work could not be started or finished in time (no connection free before the
     deadline, a lock or statement timeout, retries ran out) and nothing was committed:

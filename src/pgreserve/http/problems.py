@@ -111,6 +111,7 @@ STATUS: dict[type[errors.PgReserveError], tuple[int, str]] = {
     errors.ReservationExpired: (409, "Reservation expired"),
     errors.ReservationNotActive: (409, "Reservation is not active"),
     errors.ExtendWouldShorten: (409, "Extend would shorten the reservation"),
+    errors.StockPolicyUnsupported: (409, "Stock policy not supported in this rollout mode"),
     errors.Busy: (503, "Busy, retry later"),
     errors.OutcomeUnknown: (503, "Outcome unknown, retry with the same Idempotency-Key"),
     errors.DatabaseUnavailable: (503, "Database unavailable, retry later"),

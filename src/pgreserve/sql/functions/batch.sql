@@ -49,6 +49,7 @@ DECLARE
     r_bucket bigint[];
     r_qty integer[];
     r_held boolean[];
+    r_backordered integer[];
     -- stored outcomes by key (grows as the batch decides: a repeat replays)
     k_keys text[];
     k_ops text[];
@@ -58,6 +59,7 @@ DECLARE
     v_free bigint;
     v_units bigint := 0;      -- pool units this batch deleted and has not used yet
     v_shortfall bigint;
+    v_safety bigint;          -- units of free never promised (policy.sql)
     v_dfree bigint := 0;
     v_don_hand bigint := 0;
     v_dshortfall bigint := 0;
@@ -131,12 +133,14 @@ BEGIN
         ORDER BY reservation_id, line_no
         FOR UPDATE;
         SELECT array_agg(coalesce(l.lines, 0) ORDER BY u.n), array_agg(l.bucket ORDER BY u.n),
-               array_agg(l.qty ORDER BY u.n), array_agg(l.held ORDER BY u.n)
-        INTO r_lines, r_bucket, r_qty, r_held
+               array_agg(l.qty ORDER BY u.n), array_agg(l.held ORDER BY u.n),
+               array_agg(l.backordered ORDER BY u.n)
+        INTO r_lines, r_bucket, r_qty, r_held, r_backordered
         FROM unnest(r_ids) WITH ORDINALITY AS u(id, n)
         LEFT JOIN LATERAL (
             SELECT count(*)::integer AS lines, min(bucket_id) AS bucket,
-                   min(quantity) AS qty, bool_or(held) AS held
+                   min(quantity) AS qty, bool_or(held) AS held,
+                   max(backordered) AS backordered
             FROM reservation_line
             WHERE tenant_id = p_tenant AND reservation_id = u.id) l ON true;
     END IF;
@@ -150,6 +154,7 @@ BEGIN
     v_now := coalesce(p_now, clock_timestamp());
     v_free := b.free;
     v_shortfall := b.shortfall;
+    v_safety := b.safety_stock;
 
     SELECT array_agg(request_key), array_agg(operation), array_agg(digest), array_agg(outcome)
     INTO k_keys, k_ops, k_digests, k_outcomes
@@ -188,8 +193,8 @@ BEGIN
                 ARRAY[b.sku], ARRAY[v_q], ARRAY[b.cart_limit]) END;
             -- The batch holds the bucket row: it takes from free first (a
             -- counter) and deletes pool units only for what free cannot cover.
-            IF v_frozen IS NULL AND v_limited IS NULL AND v_units + v_free < v_q
-               AND NOT v_looked THEN
+            IF v_frozen IS NULL AND v_limited IS NULL
+               AND v_units + greatest(0, v_free - v_safety) < v_q AND NOT v_looked THEN
                 v_looked := true;
                 IF v_dfree <> 0 OR v_don_hand <> 0 OR v_dshortfall <> 0 THEN
                     -- the look gives expired holds back against the bucket row
@@ -200,16 +205,19 @@ BEGIN
                     WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
                     v_dfree := 0; v_don_hand := 0; v_dshortfall := 0;
                 END IF;
+                -- (it sees free beyond the safety stock only)
                 SELECT * INTO v_units, v_free, v_others, v_shortfall
                 FROM bucket_batch_look_v1(p_tenant, p_bucket, b.strategy, b.pool_cap, v_now,
-                                          i, p_kinds, p_quantities, v_units, v_free, r_ids);
+                                          i, p_kinds, p_quantities, v_units,
+                                          v_free - v_safety, r_ids);
+                v_free := v_free + v_safety;
             END IF;
             IF v_limited IS NOT NULL OR v_frozen IS NOT NULL THEN
                 -- stored under its key like any answer
                 v_doc := coalesce(v_limited, v_frozen);
                 l_status := l_status || 'rejected'::text;
-            ELSIF v_units + v_free >= v_q THEN
-                v_w := least(v_free, v_q);
+            ELSIF v_units + greatest(0, v_free - v_safety) >= v_q THEN
+                v_w := least(greatest(0, v_free - v_safety), v_q);
                 v_free := v_free - v_w;
                 v_dfree := v_dfree - v_w;
                 v_units := v_units - (v_q - v_w);
@@ -227,8 +235,9 @@ BEGIN
                 h_expires := h_expires || (v_now + p_ttls[i]);
                 h_views := h_views || v_view;
                 l_status := l_status || 'succeeded'::text;
-            ELSIF v_others THEN
-                -- units another transaction holds may cover it: not for here
+            ELSIF v_others OR b.backorder_limit > 0 THEN
+                -- units another transaction holds may cover it, or the backorder
+                -- allowance (taken unbatched, policy.sql): not for here
                 v_out[i] := '{"retry": true}';
                 CONTINUE;
             ELSE
@@ -238,7 +247,7 @@ BEGIN
                     'status', 'rejected', 'reason', 'insufficient_stock',
                     'short_lines', jsonb_build_array(jsonb_build_object(
                         'sku', b.sku, 'location', b.location, 'requested', v_q,
-                        'available', v_units + v_free)));
+                        'available', v_units + greatest(0, v_free - v_safety))));
                 l_status := l_status || 'rejected'::text;
             END IF;
             l_keys := l_keys || p_keys[i];
@@ -268,7 +277,8 @@ BEGIN
                 'error', 'PR410', 'message', format('unknown reservation %s', p_ids[i]));
             CONTINUE;
         END IF;
-        IF r_lines[j] <> 1 OR r_bucket[j] <> p_bucket THEN
+        -- (a backordered line settles its allowance unbatched, policy.sql)
+        IF r_lines[j] <> 1 OR r_bucket[j] <> p_bucket OR r_backordered[j] > 0 THEN
             v_out[i] := '{"retry": true}';
             CONTINUE;
         END IF;
@@ -287,7 +297,7 @@ BEGIN
                 END IF;
                 IF NOT r_held[j] THEN
                     -- given up at expiry: take the units again, or fail the claim
-                    IF v_units + v_free < v_q AND NOT v_looked THEN
+                    IF v_units + greatest(0, v_free - v_safety) < v_q AND NOT v_looked THEN
                         v_looked := true;
                         IF v_dfree <> 0 OR v_don_hand <> 0 OR v_dshortfall <> 0 THEN
                             -- the look gives expired holds back against the bucket row
@@ -301,9 +311,10 @@ BEGIN
                         SELECT * INTO v_units, v_free, v_others, v_shortfall
                         FROM bucket_batch_look_v1(p_tenant, p_bucket, b.strategy, b.pool_cap,
                                                   v_now, i, p_kinds, p_quantities, v_units,
-                                                  v_free, r_ids);
+                                                  v_free - v_safety, r_ids);
+                        v_free := v_free + v_safety;
                     END IF;
-                    IF v_units + v_free < v_q THEN
+                    IF v_units + greatest(0, v_free - v_safety) < v_q THEN
                         IF v_others THEN
                             v_out[i] := '{"retry": true}';
                         ELSE
@@ -313,7 +324,7 @@ BEGIN
                         END IF;
                         CONTINUE;
                     END IF;
-                    v_w := least(v_free, v_q);
+                    v_w := least(greatest(0, v_free - v_safety), v_q);
                     v_free := v_free - v_w;
                     v_dfree := v_dfree - v_w;
                     v_units := v_units - (v_q - v_w);
