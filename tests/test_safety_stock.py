@@ -246,3 +246,29 @@ async def test_rollout_refuses_a_policy_while_redis_decides(
         assert (await rollout.set_stock(tenant.id, "tee", "w", 10)).safety_stock == 0
     finally:
         await rollout.aclose()
+
+
+@BATCHING
+async def test_a_raise_during_a_rush_keeps_the_new_safety_stock_out_of_the_pool(
+        db: Database, tenant: Tenant, batching: bool, dsn: str) -> None:
+    """A raise of the safety stock (0 -> 10) committed while 40 buyers race for a pool
+    bucket of 30: no unit of the new safety stock is in the pool afterwards, nothing is
+    promised twice, and what stays promisable is exactly 30 - held - 10."""
+    svc = ReservationService(db, batching=batching)
+    await svc.set_stock(tenant.id, "tee", "w", 30, strategy="pool", pool_cap=8)
+
+    async def raise_it() -> None:
+        await asyncio.sleep(0.05)
+        await svc.set_stock(tenant.id, "tee", "w", 30, safety_stock=10)
+
+    outs, _ = await asyncio.gather(
+        asyncio.gather(*(svc.reserve(tenant.id, f"k{i}", [("tee", "w", 1)])
+                         for i in range(40))),
+        raise_it())
+    held = sum(o.held for o in outs)
+    assert 20 <= held <= 30
+    view = await svc.get_stock(tenant.id, "tee", "w")
+    assert (view.reserved, view.available) == (held, max(0, 30 - held - 10))
+    row = bucket_row(dsn, tenant.id, "tee")
+    assert row["pool"] == 0 or row["free"] >= 10
+    assert await svc.invariant_violations(tenant.id) == []
