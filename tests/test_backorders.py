@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ApiTenant, Clock, table_counts
 from pgreserve import Database, ReservationService, Tenant
-from pgreserve.client import Client
+from pgreserve.client import AsyncClient, Client
 from pgreserve.errors import WouldOversell
 from test_client import server  # noqa: F401 - the fixture
 from test_http_api import assert_problem, put_stock, reserve
@@ -219,3 +219,16 @@ def test_client_backorders(server: tuple[str, str]) -> None:  # noqa: F811 - the
         assert out.held and out.reservation is not None
         assert out.reservation.lines[0].backordered == 2
         assert shop.get_stock("tee", "berlin").backorder_held == 2
+
+
+async def test_async_client_sets_both_policies(server: tuple[str, str]) -> None:  # noqa: F811 - the fixture
+    """The asyncio client sets a safety stock and a backorder limit together and sees what
+    can be promised and a hold's backordered units."""
+    base, key = server
+    async with AsyncClient(base, key) as shop:
+        made = await shop.set_stock("tee", "berlin", 4, safety_stock=1, backorder_limit=2)
+        assert (made.safety_stock, made.backorder_limit, made.available) == (1, 2, 5)
+        out = await shop.reserve([("tee", "berlin", 5)])
+        assert out.held and out.reservation is not None
+        assert out.reservation.lines[0].backordered == 2
+        assert (await shop.get_stock("tee", "berlin")).available == 0
