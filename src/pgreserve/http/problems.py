@@ -112,6 +112,8 @@ STATUS: dict[type[errors.PgReserveError], tuple[int, str]] = {
     errors.ReservationNotActive: (409, "Reservation is not active"),
     errors.ExtendWouldShorten: (409, "Extend would shorten the reservation"),
     errors.ChangeNotMirrored: (409, "Hold kept in the legacy store cannot be changed"),
+    errors.BackorderedHoldUnchangeable: (409, "Hold with backordered units cannot be changed"),
+    errors.StockPolicyUnsupported: (409, "Stock policy not supported in this rollout mode"),
     errors.Busy: (503, "Busy, retry later"),
     errors.OutcomeUnknown: (503, "Outcome unknown, retry with the same Idempotency-Key"),
     errors.DatabaseUnavailable: (503, "Database unavailable, retry later"),
