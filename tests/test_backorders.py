@@ -232,3 +232,34 @@ async def test_async_client_sets_both_policies(server: tuple[str, str]) -> None:
         assert out.held and out.reservation is not None
         assert out.reservation.lines[0].backordered == 2
         assert (await shop.get_stock("tee", "berlin")).available == 0
+
+
+async def test_a_hold_with_backordered_units_cannot_be_changed(
+        db: Database, tenant: Tenant, strategy: str, dsn: str) -> None:
+    """A change of a reservation holding backordered units is refused with
+    BackorderedHoldUnchangeable and nothing changes (neither the line, its allowance nor
+    the ledger); a hold without backordered units of the same bucket changes."""
+    from pgreserve.errors import BackorderedHoldUnchangeable
+
+    svc = ReservationService(db, batching=False)
+    await svc.set_stock(tenant.id, "tee", "w", 2, strategy=strategy, backorder_limit=3)
+    out = await svc.reserve(tenant.id, "k1", [("tee", "w", 4)])
+    assert out.held and out.reservation is not None
+    before = books(dsn, tenant.id, "tee")
+    with pytest.raises(BackorderedHoldUnchangeable):
+        await svc.change(tenant.id, out.reservation.id, [("tee", "w", 1)], request_key="c1")
+    assert books(dsn, tenant.id, "tee") == before == {
+        "on_hand": 2, "free": 0, "held": 2, "owed": 0, "lines": 2}
+    got = await svc.get_reservation(tenant.id, out.reservation.id)
+    assert [(x.quantity, x.backordered) for x in got.lines] == [(4, 2)]
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM request_ledger WHERE request_key = 'c1'"
+                            ).fetchone() == (0,)
+    await svc.release(tenant.id, out.reservation.id)
+    plain = await svc.reserve(tenant.id, "k2", [("tee", "w", 1)])
+    assert plain.reservation is not None
+    changed = await svc.change(tenant.id, plain.reservation.id, [("tee", "w", 2)],
+                               request_key="c2")
+    assert changed.held and changed.reservation is not None
+    assert [(x.quantity, x.backordered) for x in changed.reservation.lines] == [(2, 0)]
+    assert await svc.invariant_violations() == []
