@@ -273,3 +273,29 @@ async def test_expiry_gives_back_exactly_the_allocated_buckets(
     again = await timed.reserve(tenant.id, "k2", [AllocatedLine("tee", 4, split=True)])
     assert again.held
     assert await timed.invariant_violations(tenant.id) == []
+
+
+async def test_allocation_keeps_safety_stock_and_promises_only_units_on_hand(
+        service: ReservationService, tenant: Tenant, strategy: str) -> None:
+    """A location's safety stock is never allocated (3 of berlin's 5 kept: an unsplit 3
+    goes to paris, a split 4 takes berlin's 2 then paris's 2); a backorder allowance
+    serves a line that names its location in an allocated cart, never a line without
+    one (refused with available 0 where only the allowance is left)."""
+    await service.set_stock(tenant.id, "tee", "berlin", 5, strategy=strategy, safety_stock=3)
+    await service.set_stock(tenant.id, "tee", "paris", 6, strategy=strategy)
+    await service.set_location_priority(tenant.id, ["berlin", "paris"])
+    whole = await service.reserve(tenant.id, "k1", [AllocatedLine("tee", 3)])
+    assert whole.reservation is not None
+    assert whole.reservation.lines == (Line("tee", "paris", 3),)
+    split = await service.reserve(tenant.id, "k2", [AllocatedLine("tee", 4, split=True)])
+    assert split.reservation is not None
+    assert split.reservation.lines == (Line("tee", "berlin", 2), Line("tee", "paris", 2))
+    await service.set_stock(tenant.id, "cap", "rome", 0, strategy=strategy, backorder_limit=5)
+    mixed = await service.reserve(tenant.id, "k3", [("cap", "rome", 2),
+                                                    AllocatedLine("tee", 1, split=True)])
+    assert mixed.reservation is not None, mixed
+    assert mixed.reservation.lines == (Line("cap", "rome", 2, 2), Line("tee", "paris", 1))
+    refused = await service.reserve(tenant.id, "k4", [AllocatedLine("cap", 1)])
+    assert refused.short_lines == (ShortLine("cap", None, 1, 0),)
+    assert (await service.get_stock(tenant.id, "cap", "rome")).backorder_held == 2
+    assert await service.invariant_violations(tenant.id) == []

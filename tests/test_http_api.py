@@ -40,10 +40,12 @@ async def reserve(api: ApiTenant, key: str, lines: list[tuple[str, str, int]],
 
 
 async def test_put_and_get_stock(api: ApiTenant) -> None:
-    """PUT stock answers the stock view and GET returns exactly the seven documented fields."""
+    """PUT stock answers the stock view and GET returns exactly the eleven documented fields."""
     resp = await put_stock(api, "sku-1", 10, strategy="pool")
     assert resp.json() == {"sku": "sku-1", "location": "wh", "on_hand": 10, "reserved": 0,
-                           "available": 10, "strategy": "pool", "version": 1}
+                           "available": 10, "strategy": "pool", "version": 1,
+                           "safety_stock": 0, "backorder_limit": 0, "backorder_held": 0,
+                           "backorder_owed": 0}
     got = await api.client.get("/v1/stock/wh/sku-1")
     assert got.status_code == 200 and got.json() == resp.json()
 

@@ -72,6 +72,10 @@ class Stock:
     strategy: Strategy
     # what an operator set moves it (not holds or sales); pass it as if_match
     version: int = 0
+    safety_stock: int = 0  # never promised: left out of available
+    backorder_limit: int = 0  # may be held beyond on_hand
+    backorder_held: int = 0  # held beyond on_hand now
+    backorder_owed: int = 0  # claimed beyond on_hand, until receipts cover it
 
     @property
     def etag(self) -> str:
@@ -82,7 +86,9 @@ class Stock:
     def from_json(cls, doc: Mapping[str, Any]) -> Stock:
         return cls(str(doc["sku"]), str(doc["location"]), int(doc["on_hand"]),
                    int(doc["reserved"]), int(doc["available"]), Strategy(doc["strategy"]),
-                   int(doc.get("version") or 0))
+                   int(doc.get("version") or 0), int(doc.get("safety_stock") or 0),
+                   int(doc.get("backorder_limit") or 0), int(doc.get("backorder_held") or 0),
+                   int(doc.get("backorder_owed") or 0))
 
 
 @dataclass(frozen=True)
@@ -346,10 +352,16 @@ class _Base:
 
     @staticmethod
     def _set_stock(sku: str, location: str, on_hand: int, strategy: Strategy | str | None,
-                   if_match: str | int | None, create_only: bool) -> _Call:
+                   if_match: str | int | None, create_only: bool,
+                   safety_stock: int | None = None,
+                   backorder_limit: int | None = None) -> _Call:
         body: dict[str, Any] = {"on_hand": on_hand}
         if strategy is not None:
             body["strategy"] = Strategy(strategy).value
+        if safety_stock is not None:
+            body["safety_stock"] = safety_stock
+        if backorder_limit is not None:
+            body["backorder_limit"] = backorder_limit
         conditions = []
         if if_match is not None:
             conditions.append(("If-Match", f'W/"{if_match}"' if isinstance(if_match, int)
@@ -460,12 +472,15 @@ class Client(_Base):
 
     def set_stock(self, sku: str, location: str, on_hand: int, *,
                   strategy: Strategy | str | None = None, if_match: str | int | None = None,
-                  create_only: bool = False) -> Stock:
+                  create_only: bool = False, safety_stock: int | None = None,
+                  backorder_limit: int | None = None) -> Stock:
         """Set the count (creating the line). `if_match`: the ETag (or version) the line
         must still have, or "*" (it must exist); `create_only`: it must not exist yet.
-        Otherwise PreconditionFailed (412) and nothing is written."""
+        Otherwise PreconditionFailed (412) and nothing is written. `safety_stock` (never
+        promised) and `backorder_limit` (may be held beyond on_hand): None keeps them."""
         return Stock.from_json(self._send(self._set_stock(
-            sku, location, on_hand, strategy, if_match, create_only)).json())
+            sku, location, on_hand, strategy, if_match, create_only, safety_stock,
+            backorder_limit)).json())
 
     def list_stock(self, *, sku_prefix: str | None = None, skus: Iterable[str] | None = None,
                    location: str | None = None, limit: int | None = None,
@@ -592,10 +607,12 @@ class AsyncClient(_Base):
     async def set_stock(self, sku: str, location: str, on_hand: int, *,
                         strategy: Strategy | str | None = None,
                         if_match: str | int | None = None,
-                        create_only: bool = False) -> Stock:
+                        create_only: bool = False, safety_stock: int | None = None,
+                        backorder_limit: int | None = None) -> Stock:
         """As Client.set_stock."""
         return Stock.from_json((await self._send(self._set_stock(
-            sku, location, on_hand, strategy, if_match, create_only))).json())
+            sku, location, on_hand, strategy, if_match, create_only, safety_stock,
+            backorder_limit))).json())
 
     async def list_stock(self, *, sku_prefix: str | None = None,
                          skus: Iterable[str] | None = None, location: str | None = None,

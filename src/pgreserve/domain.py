@@ -33,11 +33,13 @@ class Strategy(str, enum.Enum):
 
 @dataclass(frozen=True, order=True)
 class Line:
-    """One cart line: quantity units of sku at location."""
+    """One cart line: quantity units of sku at location; in a held reservation,
+    `backordered` of them came from the bucket's backorder allowance (not on hand)."""
 
     sku: str
     location: str
     quantity: int
+    backordered: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,8 @@ class Reservation:
             claimed_at=_ts_opt(doc.get("claimed_at")),
             released_at=_ts_opt(doc.get("released_at")),
             expired_at=_ts_opt(doc.get("expired_at")),
-            lines=tuple(Line(x["sku"], x["location"], int(x["quantity"])) for x in doc["lines"]),
+            lines=tuple(Line(x["sku"], x["location"], int(x["quantity"]),
+                             int(x.get("backordered", 0))) for x in doc["lines"]),
             replayed=replayed,
         )
 
@@ -234,6 +237,13 @@ class StockView:
     # None only in an adjustment's answer stored before versions existed.
     version: int | None = None
     created: bool = False  # this write created the line
+    # Units never promised to buyers: `available` leaves them out.
+    safety_stock: int = 0
+    # Units that may be held beyond on_hand, and those in use: backordered in held
+    # lines, and claimed but owed until receipts cover them.
+    backorder_limit: int = 0
+    backorder_held: int = 0
+    backorder_owed: int = 0
 
     @classmethod
     def from_json(cls, doc: dict[str, Any], replayed: bool = False) -> StockView:
@@ -251,6 +261,11 @@ class StockView:
             replayed=replayed,
             version=None if version is None else int(version),
             created=bool(doc.get("created")),
+            # (absent in answers stored before stock policies existed)
+            safety_stock=int(doc.get("safety_stock") or 0),
+            backorder_limit=int(doc.get("backorder_limit") or 0),
+            backorder_held=int(doc.get("backorder_held") or 0),
+            backorder_owed=int(doc.get("backorder_owed") or 0),
         )
 
 

@@ -129,11 +129,26 @@ class ChangeNotMirrored(PgReserveError):
     code = "change_not_mirrored"
 
 
+class BackorderedHoldUnchangeable(PgReserveError):
+    """A change of a reservation that holds backordered units: release it and reserve
+    the new cart instead; nothing changed."""
+
+    code = "backordered_hold_unchangeable"
+
+
 class ExtendWouldShorten(PgReserveError):
     """An extend asked for an expiry sooner than the reservation's current one without
     `allow_shorten`; nothing changed."""
 
     code = "extend_would_shorten"
+
+
+class StockPolicyUnsupported(PgReserveError):
+    """Safety stock or a backorder limit asked for while the legacy Redis store decides
+    the tenant's holds (rollout modes legacy and shadow), which knows neither; nothing
+    was written."""
+
+    code = "stock_policy_unsupported"
 
 
 class Busy(PgReserveError):

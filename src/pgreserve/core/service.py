@@ -16,7 +16,7 @@ import json
 import secrets
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timedelta
 from time import perf_counter
 from typing import Any, Literal, LiteralString, Protocol, cast
@@ -297,6 +297,13 @@ class ReservationService:
         )
         return int(rows[0][0]) if rows else None
 
+    async def tenants_for_api_key_hashes(self, hashes: Sequence[bytes]) -> dict[bytes, int]:
+        """The tenants of the unrevoked API keys among these hashes (apikeys.hash_key), in
+        one read; a hash that names no such key is left out."""
+        rows = await self.db.fetch(queries["api_key_authenticate_many"], (list(hashes),),
+                                   op=OPS["authenticate"])
+        return {bytes(digest): int(tenant) for digest, tenant in rows}
+
     async def tenant_by_name(self, name: str) -> Tenant | None:
         rows = await self.db.fetch(queries["tenant_find_by_name"], (name,),
                                    op=OPS["tenant_lookup"])
@@ -312,9 +319,13 @@ class ReservationService:
     async def set_stock(self, tenant: int, sku: str, location: str, on_hand: int, *,
                         strategy: Strategy | str | None = None, pool_cap: int | None = None,
                         force: bool = False, if_match: IfMatch = None,
-                        create_only: bool = False) -> StockView:
+                        create_only: bool = False, safety_stock: int | None = None,
+                        backorder_limit: int | None = None) -> StockView:
         """Set a bucket's count (creating it), optionally switching its strategy live.
 
+        `safety_stock`: units of the line never promised to buyers; `backorder_limit`:
+        units that may be held beyond on_hand (None keeps either as it is; a new line
+        starts with 0). Both are written with the count and move the version.
         `if_match`: a version (or several) the line must have, or "*" (it must exist);
         `create_only`: the line must not exist yet. The database checks them in the
         write itself; when one does not hold, PreconditionFailed and nothing is written.
@@ -325,6 +336,10 @@ class ReservationService:
         chosen = check.strategy(strategy)
         if pool_cap is not None:
             pool_cap = check.integer(pool_cap, "pool_cap", 1, 100_000)
+        if safety_stock is not None:
+            safety_stock = check.integer(safety_stock, "safety_stock", 0, MAX_ON_HAND)
+        if backorder_limit is not None:
+            backorder_limit = check.integer(backorder_limit, "backorder_limit", 0, MAX_ON_HAND)
         versions, exists = _preconditions(if_match)
         if create_only:
             if if_match is not None:
@@ -334,7 +349,8 @@ class ReservationService:
         doc = await self.db.call(
             queries["stock_set"],
             (tenant, sku, location, on_hand, chosen.value if chosen else None, bool(force),
-             pool_cap, versions, exists, self.clock()), op=OPS["stock_set"],
+             pool_cap, versions, exists, safety_stock, backorder_limit, self.clock()),
+            op=OPS["stock_set"],
         )
         _raise_if_precondition_failed(doc, sku, location)
         return StockView.from_json(doc)

@@ -34,6 +34,7 @@ from . import docs, problems
 from .admission import DEFAULT_REQUEST_DEADLINE_S, Admission, TenantLimit, check_deadline
 from .dependencies import ApiKeyCache, InFlight, known_query_only
 from .exception_handlers import EXCEPTION_HANDLERS
+from .fastpath import FastPath
 from .metrics import ApiMetrics
 from .middleware import ASGIApp, BodyLimit, ObserveRequests, Receive, Scope, Send
 from .openapi import openapi_schema, operation_id
@@ -249,7 +250,7 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
                request_log: RequestLog | None = None,
                allow_private_webhooks: bool | None = None,
                legacy_redis_url: str | None = None, rollout: Rollout | None = None,
-               schema: str | None = None) -> FastAPI:
+               schema: str | None = None, fast_path: bool | None = None) -> FastAPI:
     """The API over one database: pass a DSN (the app owns its pool) or an open Database.
 
     `clock` replaces the database clock (tests move time by hand). `monitor`
@@ -272,6 +273,9 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     claim and release go through the rollout layer beside the legacy Redis store
     (rollout/). `schema`: where pgreserve's tables are, for the pool the app owns
     (default PGRESERVE_SCHEMA, else pgreserve; an open Database brings its own).
+    `fast_path`: serve the well-formed reserve, claim and release requests without
+    FastAPI's per-request machinery, with the same answers (fastpath.py; default
+    PGRESERVE_HTTP_FAST_PATH, else on).
     """
     check_deadline(request_deadline_s)
     limit = TenantLimit(tenant_max_in_flight)
@@ -311,6 +315,7 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     state.rollout = rollout
     state.tenant_limit = limit
     state.lifecycle = NEW
+    state.fast_path_served = 0  # requests the fast path answered itself (fastpath.py)
     state.opening = asyncio.Lock()
     state.pgbouncer = (PgBouncerMonitor(pgbouncer_admin_url, metrics.registry)
                        if pgbouncer_admin_url else None)
@@ -325,11 +330,24 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
         state.owned_pool = OwnedPool(dsn, pool_size, pool_min_size, application_name,
                                      prepare_threshold, schemas.resolve(schema))
         state.service = None
+    if fast_path_enabled(fast_path):
+        app.add_middleware(FastPath, api=app)  # innermost: every middleware below runs
     app.add_middleware(OpenOnFirstUse, api=app)
     app.add_middleware(Admission, deadline_s=request_deadline_s, limit=limit)
     app.add_middleware(ObserveRequests, metrics=metrics, log=request_log)
     app.add_middleware(BodyLimit, limit=body_limit)
     return app
+
+
+FAST_PATH_ENV = "PGRESERVE_HTTP_FAST_PATH"
+
+
+def fast_path_enabled(value: bool | None) -> bool:
+    """create_app's `fast_path`, or PGRESERVE_HTTP_FAST_PATH (on unless 0/off/false/no)."""
+    if value is not None:
+        return value
+    return os.environ.get(FAST_PATH_ENV, "1").strip().lower() not in ("0", "off", "false",
+                                                                     "no")
 
 
 def app_from_env() -> FastAPI:

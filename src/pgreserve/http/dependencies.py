@@ -6,12 +6,13 @@ handlers are plain module-level functions and several apps can share a process.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Header, Path, Request
 from fastapi.routing import APIRoute
@@ -19,6 +20,7 @@ from fastapi.routing import APIRoute
 from .. import apikeys, errors
 from .. import validation as check
 from ..core.service import ReservationService
+from ..db.database import current_deadline, deadline_at
 from ..rollout import Rollout
 from . import admission, problems
 from .metrics import ApiMetrics
@@ -66,16 +68,19 @@ class ApiKeyCache:
         self.ttl_s = ttl_s
         self.max_keys = max_keys
         self._keys: dict[bytes, tuple[int, float]] = {}
+        self.lookups = KeyLookups()
 
     async def tenant(self, svc: ReservationService, key: str) -> int | None:
-        if self.ttl_s == 0 or not apikeys.plausible(key):
-            return await svc.tenant_for_api_key(key)
+        if not apikeys.plausible(key):
+            return None  # what the database would say, without asking it
         digest = apikeys.hash_key(key)
+        if self.ttl_s == 0:
+            return await self.lookups.tenant(svc, digest)
         now = time.monotonic()
         known = self._keys.get(digest)
         if known is not None and known[1] > now:
             return known[0]
-        tenant = await svc.tenant_for_api_key(key)
+        tenant = await self.lookups.tenant(svc, digest)
         if tenant is None:
             self._keys.pop(digest, None)
             return None
@@ -85,6 +90,80 @@ class ApiKeyCache:
                 self._keys.clear()
         self._keys[digest] = (tenant, now + self.ttl_s)
         return tenant
+
+
+class KeyLookups:
+    """The database's answer for API keys, one read for the requests that ask together.
+
+    A request's key is looked up by a read that starts after the request asked (never
+    by one already in flight), so a key revoked before a request arrives is refused,
+    as with a read per request. While a read is in flight, the keys asked meanwhile
+    gather (each distinct hash once) and go in the next one: under load one round trip
+    and one pool connection answer many requests, instead of one each. The read runs
+    under the latest deadline of the requests it answers; its failure (Busy,
+    DatabaseUnavailable, ...) is each of theirs.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[bytes, list[asyncio.Future[int | None]]] = {}
+        self._latest: float | None = None  # the latest deadline among the pending
+        self._unbounded = False  # a pending request has no deadline
+        self._task: asyncio.Task[None] | None = None
+
+    async def tenant(self, svc: ReservationService, digest: bytes) -> int | None:
+        future: asyncio.Future[int | None] = asyncio.get_running_loop().create_future()
+        waiting = self._pending.get(digest)
+        if waiting is None:
+            self._pending[digest] = [future]
+        else:
+            waiting.append(future)
+        end = current_deadline()
+        if end is None:
+            self._unbounded = True
+        elif self._latest is None or end > self._latest:
+            self._latest = end
+        if self._task is None:
+            self._task = asyncio.create_task(self._drain(svc))
+        return await future
+
+    async def _drain(self, svc: ReservationService) -> None:
+        batch: dict[bytes, list[asyncio.Future[int | None]]] = {}
+        try:
+            while self._pending:
+                batch, self._pending = self._pending, {}
+                end = None if self._unbounded else self._latest
+                self._latest, self._unbounded = None, False
+                try:
+                    with deadline_at(end):
+                        found = await svc.tenants_for_api_key_hashes(list(batch))
+                except Exception as exc:  # noqa: BLE001 - every waiter of the read gets it
+                    _settle(batch, exc)
+                    continue
+                for digest, futures in batch.items():
+                    tenant = found.get(digest)
+                    for future in futures:
+                        if not future.done():
+                            future.set_result(tenant)
+                batch = {}
+        except BaseException:  # cancelled (shutdown): no waiter is left hanging
+            _settle(batch, None)
+            _settle(self._pending, None)
+            self._pending = {}
+            raise
+        finally:
+            self._task = None
+
+
+def _settle(batch: dict[bytes, list[asyncio.Future[int | None]]],
+            exc: BaseException | None) -> None:
+    """Fail every waiter of `batch` with `exc` (None: cancel them)."""
+    for futures in batch.values():
+        for future in futures:
+            if not future.done():
+                if exc is None:
+                    future.cancel()
+                else:
+                    future.set_exception(exc)
 
 
 def service(request: Request) -> ReservationService:
@@ -122,16 +201,28 @@ BEARER_DESCRIPTION = "An API key from `pgreserve tenant create`"
 
 async def tenant_id(request: Request) -> int:
     """The tenant of the request's bearer API key; 401 when missing or unknown."""
-    scheme, _, credentials = (request.headers.get("authorization") or "").partition(" ")
+    return await authenticate(request.app.state, request.scope,
+                              request.headers.get("authorization"))
+
+
+async def authenticate(state: Any, scope: MutableMapping[str, Any],
+                       authorization: str | None) -> int:
+    """tenant_id for an app's `state` and a request's scope and Authorization header
+    (the hot routes' fast path calls it too): 401 when missing or unknown, 503 while
+    the pool is not open, 429 over the tenant's in-flight limit."""
+    scheme, _, credentials = (authorization or "").partition(" ")
     credentials = credentials.strip()
     if scheme.lower() != "bearer" or not credentials:
         raise problems.Unauthorized("send an API key as 'Authorization: Bearer <key>'")
-    keys: ApiKeyCache = request.app.state.api_keys
-    tenant = await keys.tenant(service(request), credentials)
+    svc: ReservationService | None = getattr(state, "service", None)
+    if svc is None:
+        raise problems.Unavailable("the database pool is not open")
+    keys: ApiKeyCache = state.api_keys
+    tenant = await keys.tenant(svc, credentials)
     if tenant is None:
         raise problems.Unauthorized("unknown API key")
     admission.admit(tenant)  # 429 over the tenant's in-flight limit
-    request.scope[TENANT_KEY] = tenant  # for the request log line
+    scope[TENANT_KEY] = tenant  # for the request log line
     return tenant
 
 

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 async def on_error(request: Request, exc: errors.PgReserveError) -> Response:
     """A typed error: its status and code from problems.STATUS."""
-    return problems.problem_response(exc, unknown_stock=problems.unknown_stock_refs(exc))
+    return problems.error_response(exc)
 
 
 async def on_invalid(request: Request, exc: RequestValidationError) -> Response:

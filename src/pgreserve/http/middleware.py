@@ -86,6 +86,9 @@ class ObserveRequests:
         self.app = app
         self.metrics = metrics
         self.log = log
+        # (method, route, status) -> the counter's and the histogram's child: labels()
+        # costs more than the count itself. Bounded: past _SERIES, labels() each time.
+        self._series: dict[tuple[str, str, str], tuple[Any, Any]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -114,8 +117,14 @@ class ObserveRequests:
             path = getattr(route, "path", None) or "unmatched"
             method = scope.get("method", "")
             code = str(status)
-            self.metrics.http_requests.labels(method, path, code).inc()
-            self.metrics.http_duration.labels(method, path, code).observe(seconds)
+            series = self._series.get((method, path, code))
+            if series is None:
+                series = (self.metrics.http_requests.labels(method, path, code),
+                          self.metrics.http_duration.labels(method, path, code))
+                if len(self._series) < _SERIES:
+                    self._series[method, path, code] = series
+            series[0].inc()
+            series[1].observe(seconds)
             if self.log is not None:
                 key = None
                 for name, value in scope.get("headers", ()):
@@ -125,6 +134,9 @@ class ObserveRequests:
                 self.log.emit((time.time(), method, path, status, outcome_of(status, replayed),
                                scope.get(TENANT_KEY), key, seconds,
                                error or scope.get(ERROR_KEY), _client(scope)))
+
+
+_SERIES = 1000
 
 
 def _client(scope: Scope) -> str | None:

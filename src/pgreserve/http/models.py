@@ -72,6 +72,12 @@ class Strict(BaseModel):
 class StockSet(Strict):
     on_hand: Count
     strategy: Literal["row", "pool"] | None = None
+    safety_stock: Count | None = Field(
+        default=None, description="units of the line never promised to buyers (left out "
+                                  "of available); omitted: unchanged (0 for a new line)")
+    backorder_limit: Count | None = Field(
+        default=None, description="units that may be held beyond on_hand, as backorders; "
+                                  "omitted: unchanged (0 for a new line)")
 
 
 class StockAdjust(Strict):
@@ -180,6 +186,12 @@ class StockOut(BaseModel):
     version: int = Field(1, description=(
         "Moves with every count, adjustment or strategy change, never with holds, claims, "
         "releases or expiry; the ETag is W/\"<version>\""))
+    safety_stock: int = Field(0, description="Units never promised to buyers")
+    backorder_limit: int = Field(0, description="Units that may be held beyond on_hand")
+    backorder_held: int = Field(0, description=(
+        "Units of active holds beyond on_hand (backordered), within backorder_limit"))
+    backorder_owed: int = Field(0, description=(
+        "Backordered units claimed and not yet received; receipts pay them first"))
 
 
 class StockPageOut(BaseModel):
@@ -212,6 +224,9 @@ class LineOut(BaseModel):
     sku: str
     location: str
     quantity: int
+    backordered: int = Field(0, description=(
+        "Units of the line held beyond on_hand, from the backorder allowance (present only "
+        "when there are some)"))
 
 
 class ReservationOut(BaseModel):
@@ -279,6 +294,8 @@ def stock_doc(view: StockView) -> dict[str, Any]:
                            "available": view.available, "strategy": view.strategy.value}
     if view.version is not None:  # absent only in answers stored before versions existed
         doc["version"] = view.version
+    doc.update(safety_stock=view.safety_stock, backorder_limit=view.backorder_limit,
+               backorder_held=view.backorder_held, backorder_owed=view.backorder_owed)
     return doc
 
 
@@ -294,7 +311,8 @@ def reservation_doc(r: Reservation) -> dict[str, Any]:
         "claimed_at": ts(r.claimed_at),
         "released_at": ts(r.released_at),
         "expired_at": ts(r.expired_at),
-        "lines": [{"sku": x.sku, "location": x.location, "quantity": x.quantity}
+        "lines": [{"sku": x.sku, "location": x.location, "quantity": x.quantity,
+                   **({"backordered": x.backordered} if x.backordered else {})}
                   for x in r.lines],
     }
 

@@ -113,6 +113,8 @@ STATUS: dict[type[errors.PgReserveError], tuple[int, str]] = {
     errors.ReservationNotActive: (409, "Reservation is not active"),
     errors.ExtendWouldShorten: (409, "Extend would shorten the reservation"),
     errors.ChangeNotMirrored: (409, "Hold kept in the legacy store cannot be changed"),
+    errors.BackorderedHoldUnchangeable: (409, "Hold with backordered units cannot be changed"),
+    errors.StockPolicyUnsupported: (409, "Stock policy not supported in this rollout mode"),
     errors.Busy: (503, "Busy, retry later"),
     errors.OutcomeUnknown: (503, "Outcome unknown, retry with the same Idempotency-Key"),
     errors.DatabaseUnavailable: (503, "Database unavailable, retry later"),
@@ -256,6 +258,12 @@ def problem_response(exc: errors.PgReserveError, headers: dict[str, str] | None 
     if exc.retryable:
         hdrs.setdefault("Retry-After", str(exc.details.get("retry_after_s", 1)))
     return ProblemResponse(render(doc), doc["status"], hdrs, str(doc["code"]))
+
+
+def error_response(exc: errors.PgReserveError) -> Response:
+    """How a typed error raised by a route leaves the API (its exception handler, and the
+    hot routes' fast path): its problem document, with the unknown stock it names."""
+    return problem_response(exc, unknown_stock=unknown_stock_refs(exc))
 
 
 def unknown_stock_refs(exc: errors.PgReserveError) -> list[dict[str, str | None]] | None:

@@ -45,6 +45,9 @@ class BucketBook:
     claimed: int
     restored: int
     ledger_on_hand: int
+    safety_stock: int
+    backorder_held: int  # backordered units of held lines: held, not on hand
+    backorder_owed: int  # backordered units claimed and not yet received
 
 
 @dataclass(frozen=True)
@@ -127,21 +130,29 @@ def _check(dsn: str, tenant: int | None, grace_s: float, where: str) -> Reconcil
     names = {(b.tenant_id, b.bucket_id): f"{b.sku}@{b.location}" for b in out.books}
     for b in out.books:
         where = names[(b.tenant_id, b.bucket_id)]
-        if b.pool + b.held > b.on_hand:
+        on_hand_held = b.held - b.backorder_held  # backordered units are not on hand
+        if b.pool + on_hand_held > b.on_hand:
             out.drifts.append(Drift(
                 "overcommitted", b.tenant_id, where,
-                f"pool {b.pool} + held {b.held} = {b.pool + b.held} > on_hand {b.on_hand}",
+                f"pool {b.pool} + held {b.held} - backordered {b.backorder_held} = "
+                f"{b.pool + on_hand_held} > on_hand {b.on_hand}",
                 bucket_id=b.bucket_id))
-        elif b.on_hand != b.free + b.pool + b.held:
+        elif b.on_hand != b.free + b.pool + on_hand_held:
             out.drifts.append(Drift(
                 "accounting", b.tenant_id, where,
-                f"on_hand {b.on_hand} <> free {b.free} + pool {b.pool} + held {b.held}",
+                f"on_hand {b.on_hand} <> free {b.free} + pool {b.pool} + held {b.held} "
+                f"- backordered {b.backorder_held}",
                 bucket_id=b.bucket_id))
-        if b.on_hand != b.ledger_on_hand:
+        if b.on_hand - b.backorder_owed != b.ledger_on_hand:
             out.drifts.append(Drift(
                 "ledger_mismatch", b.tenant_id, where,
-                f"on_hand {b.on_hand} <> movement ledger (count + adjust + sale) "
-                f"{b.ledger_on_hand}", bucket_id=b.bucket_id))
+                f"on_hand {b.on_hand} - backorder_owed {b.backorder_owed} <> movement ledger "
+                f"(count + adjust + sale) {b.ledger_on_hand}", bucket_id=b.bucket_id))
+        if b.pool > 0 and b.free < b.safety_stock:
+            out.drifts.append(Drift(
+                "safety_in_pool", b.tenant_id, where,
+                f"{b.pool} pool units while free {b.free} < safety stock {b.safety_stock}",
+                bucket_id=b.bucket_id))
         if b.strategy == "row" and b.pool > 0:
             out.drifts.append(Drift("pool_on_row_bucket", b.tenant_id, where,
                                     f"{b.pool} pool units on a row-strategy bucket",

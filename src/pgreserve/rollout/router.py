@@ -54,6 +54,7 @@ from ..errors import (
     ReservationExpired,
     ReservationNotFound,
     ReservationReleased,
+    StockPolicyUnsupported,
 )
 from .comparison import (
     Comparison,
@@ -142,14 +143,22 @@ class Rollout:
     async def set_stock(self, tenant: int, sku: str, location: str, on_hand: int, *,
                         strategy: Strategy | str | None = None, pool_cap: int | None = None,
                         force: bool = False, if_match: IfMatch = None,
-                        create_only: bool = False) -> StockView:
+                        create_only: bool = False, safety_stock: int | None = None,
+                        backorder_limit: int | None = None) -> StockView:
         """Count a bucket in pgreserve and, while Redis is written, in Redis (its counter
         becomes the count minus the units Redis holds). A precondition is pgreserve's:
-        when it fails, neither store is written."""
+        when it fails, neither store is written. Safety stock and backorders are
+        pgreserve's alone: while Redis answers (legacy, shadow) a non-zero one is refused
+        with StockPolicyUnsupported, before anything is written."""
+        mode = (await self.modes.get(tenant)).mode
+        if mode.answers_from_redis and (safety_stock or backorder_limit):
+            raise StockPolicyUnsupported(
+                f"safety stock and backorders are not kept by the legacy store, which "
+                f"decides holds in rollout mode {mode.value}")
         view = await self.service.set_stock(tenant, sku, location, on_hand, strategy=strategy,
                                             pool_cap=pool_cap, force=force, if_match=if_match,
-                                            create_only=create_only)
-        mode = (await self.modes.get(tenant)).mode
+                                            create_only=create_only, safety_stock=safety_stock,
+                                            backorder_limit=backorder_limit)
         if mode.writes_redis:
             await self._stock_step(mode, self.store.set_stock(tenant, view.sku, view.location,
                                                               view.on_hand), "set_stock")

@@ -67,7 +67,9 @@ async def put_stock(location: PathName, sku: PathName, body: StockSet, tenant: T
         # "exists" and "does not exist" at once: no line can satisfy both
         raise conditional.contradiction()
     view = await svc.set_stock(tenant, sku, location, body.on_hand, strategy=body.strategy,
-                               if_match=match, create_only=create)
+                               if_match=match, create_only=create,
+                               safety_stock=body.safety_stock,
+                               backorder_limit=body.backorder_limit)
     headers = conditional.etag_headers(view.version)
     if view.created:
         headers["Location"] = conditional.location_of(request, "v1", "stock", location, sku)

@@ -83,6 +83,10 @@ END $$;
 -- A short allocated line is refused only when one snapshot, taken after its
 -- attempts, shows that no allowed allocation could serve it; otherwise the
 -- stock moved meanwhile and the request is retried whole (40001).
+--
+-- Stock policy (policy.sql): the takes keep each bucket's safety stock. An
+-- allocated line promises only units on hand; a bucket's backorder allowance
+-- serves the explicit lines, as in reserve_v1.
 CREATE OR REPLACE FUNCTION reserve_allocated_v1(p_tenant bigint, p_key text, p_digest text,
                                      p_skus text[], p_locations text[],
                                      p_quantities integer[], p_alloc_skus text[],
@@ -121,12 +125,15 @@ DECLARE
     v_t_bucket bigint[] := '{}';
     v_t_qty integer[] := '{}';
     v_t_free integer[] := '{}';
+    v_t_bo integer[] := '{}';
+    v_bo record;
     v_unit_buckets bigint[] := '{}';
     v_unit_ids bigint[] := '{}';
     v_short_ex jsonb := '[]';
     v_short_al jsonb := '[]';
     v_h_buckets bigint[];
     v_h_qty integer[];
+    v_h_bo integer[];
     v_lines jsonb;
     v_view jsonb;
     v_id uuid;
@@ -205,7 +212,7 @@ BEGIN
 
     FOR i IN 1 .. coalesce(cardinality(p_alloc_skus), 0) LOOP
         v_prio := location_priority_of_v1(p_tenant, p_alloc_skus[i]);
-        SELECT array_agg(b.bucket_id ORDER BY array_position(v_prio, b.location),
+        SELECT array_agg(b.bucket_id ORDER BY array_position(v_prio, b.location COLLATE "C"),
                          b.location COLLATE "C")
         INTO v_cands
         FROM stock_bucket b
@@ -224,6 +231,7 @@ BEGIN
                     v_t_bucket := v_t_bucket || v_c;
                     v_t_qty := v_t_qty || (v_base + v_want);
                     v_t_free := v_t_free || v_take.from_free;
+                    v_t_bo := v_t_bo || 0;
                     IF v_take.units IS NOT NULL THEN
                         v_unit_buckets := v_unit_buckets
                                           || array_fill(v_c, ARRAY[cardinality(v_take.units)]);
@@ -246,13 +254,19 @@ BEGIN
         -- explicit line asks of it there.
         v_cut := coalesce(p_now, clock_timestamp());
         SELECT coalesce(max(a.spare), 0), coalesce(sum(a.spare), 0) INTO v_best, v_total
-        FROM (SELECT greatest(0, b.free + greatest(0, e.expired - b.shortfall) + p.pool
-                                 + coalesce(v_t_free[array_position(v_t_bucket, b.bucket_id)], 0)
+        -- (units on hand beyond the safety stock, as bucket_view_v1 counts them)
+        FROM (SELECT greatest(0, p.pool
+                                 + greatest(0, b.free
+                                    + coalesce(v_t_free[array_position(v_t_bucket, b.bucket_id)], 0)
+                                    + greatest(0, e.expired - e.backordered - b.shortfall)
+                                    - b.safety_stock)
                                  - coalesce(p_quantities[array_position(v_ex_buckets,
                                                                         b.bucket_id)], 0))
                      AS spare
               FROM stock_bucket b,
-              LATERAL (SELECT coalesce(sum(l.quantity), 0) AS expired FROM reservation_line l
+              LATERAL (SELECT coalesce(sum(l.quantity), 0) AS expired,
+                              coalesce(sum(l.backordered), 0) AS backordered
+                       FROM reservation_line l
                        WHERE l.tenant_id = p_tenant AND l.bucket_id = b.bucket_id
                          AND l.held AND l.expires_at <= v_cut) e,
               LATERAL (SELECT count(*) AS pool FROM stock_unit u
@@ -277,15 +291,31 @@ BEGIN
             v_t_bucket := v_t_bucket || v_ex_buckets[i];
             v_t_qty := v_t_qty || p_quantities[i];
             v_t_free := v_t_free || v_take.from_free;
+            v_t_bo := v_t_bo || 0;
             IF v_take.units IS NOT NULL THEN
                 v_unit_buckets := v_unit_buckets
                                   || array_fill(v_ex_buckets[i], ARRAY[cardinality(v_take.units)]);
                 v_unit_ids := v_unit_ids || v_take.units;
             END IF;
+            CONTINUE;
+        END IF;
+        -- short: the rest from the bucket's backorder allowance, as reserve_v1 does
+        v_bo := bucket_backorder_take_v1(p_tenant, v_ex_buckets[i], p_quantities[i], p_now,
+                                         true);
+        IF v_bo.ok THEN
+            v_t_bucket := v_t_bucket || v_ex_buckets[i];
+            v_t_qty := v_t_qty || p_quantities[i];
+            v_t_free := v_t_free || v_bo.from_free;
+            v_t_bo := v_t_bo || v_bo.backordered;
+            IF v_bo.units IS NOT NULL THEN
+                v_unit_buckets := v_unit_buckets
+                                  || array_fill(v_ex_buckets[i], ARRAY[cardinality(v_bo.units)]);
+                v_unit_ids := v_unit_ids || v_bo.units;
+            END IF;
         ELSE
             v_short_ex := v_short_ex || jsonb_build_array(jsonb_build_object(
                 'sku', p_skus[i], 'location', p_locations[i], 'requested', p_quantities[i],
-                'available', v_take.seen_available));
+                'available', coalesce(v_bo.seen_available, v_take.seen_available)));
         END IF;
     END LOOP;
 
@@ -293,8 +323,9 @@ BEGIN
         -- give back what the takes took out of free (the bucket locks are ours);
         -- kept pool units are unlocked at commit
         FOR i IN 1 .. cardinality(v_t_bucket) LOOP
-            IF v_t_free[i] > 0 THEN
-                UPDATE stock_bucket SET free = free + v_t_free[i]
+            IF v_t_free[i] > 0 OR v_t_bo[i] > 0 THEN
+                UPDATE stock_bucket SET free = free + v_t_free[i],
+                                        backorder_held = backorder_held - v_t_bo[i]
                 WHERE tenant_id = p_tenant AND bucket_id = v_t_bucket[i];
             END IF;
         END LOOP;
@@ -314,12 +345,16 @@ BEGIN
         WHERE u.tenant_id = p_tenant AND u.bucket_id = k.bucket AND u.unit_id = k.unit;
     END IF;
     -- one line per bucket, in (sku, location) order
+    -- (a line shows its backordered units only when it has some)
     SELECT jsonb_agg(jsonb_build_object('sku', b.sku, 'location', b.location, 'quantity', t.qty)
+                     || CASE WHEN t.bo > 0 THEN jsonb_build_object('backordered', t.bo)
+                             ELSE '{}'::jsonb END
                      ORDER BY b.sku COLLATE "C", b.location COLLATE "C"),
            array_agg(t.bucket ORDER BY b.sku COLLATE "C", b.location COLLATE "C"),
-           array_agg(t.qty ORDER BY b.sku COLLATE "C", b.location COLLATE "C")
-    INTO v_lines, v_h_buckets, v_h_qty
-    FROM unnest(v_t_bucket, v_t_qty) AS t(bucket, qty)
+           array_agg(t.qty ORDER BY b.sku COLLATE "C", b.location COLLATE "C"),
+           array_agg(t.bo ORDER BY b.sku COLLATE "C", b.location COLLATE "C")
+    INTO v_lines, v_h_buckets, v_h_qty, v_h_bo
+    FROM unnest(v_t_bucket, v_t_qty, v_t_bo) AS t(bucket, qty, bo)
     JOIN stock_bucket b ON b.tenant_id = p_tenant AND b.bucket_id = t.bucket;
     v_id := gen_random_uuid();
     v_view := jsonb_build_object(
@@ -330,9 +365,9 @@ BEGIN
     INSERT INTO reservation (tenant_id, reservation_id, request_key, created_at, expires_at)
     VALUES (p_tenant, v_id, p_key, v_now, v_now + p_ttl);
     INSERT INTO reservation_line (tenant_id, reservation_id, line_no, bucket_id, quantity,
-                                  expires_at)
-    SELECT p_tenant, v_id, ord, bucket, qty, v_now + p_ttl
-    FROM unnest(v_h_buckets, v_h_qty) WITH ORDINALITY AS u(bucket, qty, ord);
+                                  expires_at, backordered)
+    SELECT p_tenant, v_id, ord, bucket, qty, v_now + p_ttl, bo
+    FROM unnest(v_h_buckets, v_h_qty, v_h_bo) WITH ORDINALITY AS u(bucket, qty, bo, ord);
     INSERT INTO outbox_event (tenant_id, type, payload)
     VALUES (p_tenant, 'reservation.created', v_view);
     PERFORM ledger_record_v1(p_tenant, p_key, 'reserve', p_digest, 'succeeded', v_outcome);

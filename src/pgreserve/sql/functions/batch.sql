@@ -50,6 +50,7 @@ DECLARE
     r_qty integer[];
     r_held boolean[];
     r_line integer[];
+    r_backordered integer[];
     -- stored outcomes by key (grows as the batch decides: a repeat replays)
     k_keys text[];
     k_ops text[];
@@ -59,6 +60,7 @@ DECLARE
     v_free bigint;
     v_units bigint := 0;      -- pool units this batch deleted and has not used yet
     v_shortfall bigint;
+    v_safety bigint;          -- units of free never promised (policy.sql)
     v_dfree bigint := 0;
     v_don_hand bigint := 0;
     v_dshortfall bigint := 0;
@@ -133,21 +135,23 @@ BEGIN
         FOR UPDATE;
         SELECT array_agg(coalesce(l.lines, 0) ORDER BY u.n), array_agg(l.bucket ORDER BY u.n),
                array_agg(l.qty ORDER BY u.n), array_agg(l.held ORDER BY u.n),
-               array_agg(l.line_no ORDER BY u.n)
-        INTO r_lines, r_bucket, r_qty, r_held, r_line
+               array_agg(l.line_no ORDER BY u.n), array_agg(l.backordered ORDER BY u.n)
+        INTO r_lines, r_bucket, r_qty, r_held, r_line, r_backordered
         FROM unnest(r_ids) WITH ORDINALITY AS u(id, n)
         LEFT JOIN LATERAL (
             SELECT count(*)::integer AS lines, min(bucket_id) AS bucket,
-                   min(quantity) AS qty, bool_or(held) AS held, min(line_no) AS line_no
+                   min(quantity) AS qty, bool_or(held) AS held, min(line_no) AS line_no,
+                   max(backordered) AS backordered
             FROM reservation_line
             WHERE tenant_id = p_tenant AND reservation_id = u.id) l ON true;
     END IF;
 
     -- A batch of reserves only, at a plainly sold-out bucket, needs no bucket
-    -- lock: one statement sees, at one instant, less free than the smallest
-    -- request, no unit in the pool (a unit another batch is taking still
-    -- counts: its delete has not committed) and no hold past its expiry, as
-    -- reserve_v1's sold-out probe does. Every reserve of it is then refused
+    -- lock: one statement sees, at one instant, less free beyond the safety
+    -- stock than the smallest request, no backorder allowance, no unit in the
+    -- pool (a unit another batch is taking still counts: its delete has not
+    -- committed) and no hold past its expiry, as reserve_v1's sold-out probe
+    -- does. Every reserve of it is then refused
     -- without writing the bucket row, so the sold-out batches of several
     -- processes commit side by side instead of one after another.
     IF p_kinds <@ ARRAY['reserve'] THEN
@@ -155,21 +159,24 @@ BEGIN
         IF NOT FOUND THEN
             RETURN to_jsonb(array_fill('{"retry": true}'::jsonb, ARRAY[v_n]));
         END IF;
-        IF b.free < (SELECT min(q) FROM unnest(p_quantities) AS q) THEN
+        IF b.free - b.safety_stock < (SELECT min(q) FROM unnest(p_quantities) AS q)
+           AND b.backorder_limit = 0 THEN
             v_now := coalesce(p_now, clock_timestamp());
-            SELECT x.free, x.free < (SELECT min(q) FROM unnest(p_quantities) AS q)
+            SELECT x.free, x.safety_stock,
+                   x.free - x.safety_stock < (SELECT min(q) FROM unnest(p_quantities) AS q)
+                   AND x.backorder_limit = 0
                    AND NOT EXISTS (SELECT 1 FROM stock_unit u
                                    WHERE u.tenant_id = p_tenant AND u.bucket_id = p_bucket)
                    AND NOT EXISTS (SELECT 1 FROM reservation_line l
                                    WHERE l.tenant_id = p_tenant AND l.bucket_id = p_bucket
                                      AND l.held AND l.expires_at <= v_now)
-            INTO v_free, v_looked
+            INTO v_free, v_safety, v_looked
             FROM stock_bucket x WHERE x.tenant_id = p_tenant AND x.bucket_id = p_bucket;
         END IF;
     END IF;
     IF v_looked THEN
         -- plainly sold out: every reserve below is refused (v_looked skips
-        -- the look, v_free is the free count of that instant)
+        -- the look; v_free and v_safety are the figures of that instant)
         v_shortfall := b.shortfall;
     ELSE
         SELECT * INTO b FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
@@ -181,6 +188,7 @@ BEGIN
         v_now := coalesce(p_now, clock_timestamp());
         v_free := b.free;
         v_shortfall := b.shortfall;
+        v_safety := b.safety_stock;
     END IF;
 
     SELECT array_agg(request_key), array_agg(operation), array_agg(digest), array_agg(outcome)
@@ -220,8 +228,8 @@ BEGIN
                 ARRAY[b.sku], ARRAY[v_q], ARRAY[b.cart_limit]) END;
             -- The batch holds the bucket row: it takes from free first (a
             -- counter) and deletes pool units only for what free cannot cover.
-            IF v_frozen IS NULL AND v_limited IS NULL AND v_units + v_free < v_q
-               AND NOT v_looked THEN
+            IF v_frozen IS NULL AND v_limited IS NULL
+               AND v_units + greatest(0, v_free - v_safety) < v_q AND NOT v_looked THEN
                 v_looked := true;
                 IF v_dfree <> 0 OR v_don_hand <> 0 OR v_dshortfall <> 0 THEN
                     -- the look gives expired holds back against the bucket row
@@ -232,16 +240,19 @@ BEGIN
                     WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
                     v_dfree := 0; v_don_hand := 0; v_dshortfall := 0;
                 END IF;
+                -- (it sees free beyond the safety stock only)
                 SELECT * INTO v_units, v_free, v_others, v_shortfall
                 FROM bucket_batch_look_v1(p_tenant, p_bucket, b.strategy, b.pool_cap, v_now,
-                                          i, p_kinds, p_quantities, v_units, v_free, r_ids);
+                                          i, p_kinds, p_quantities, v_units,
+                                          v_free - v_safety, r_ids);
+                v_free := v_free + v_safety;
             END IF;
             IF v_limited IS NOT NULL OR v_frozen IS NOT NULL THEN
                 -- stored under its key like any answer
                 v_doc := coalesce(v_limited, v_frozen);
                 l_status := l_status || 'rejected'::text;
-            ELSIF v_units + v_free >= v_q THEN
-                v_w := least(v_free, v_q);
+            ELSIF v_units + greatest(0, v_free - v_safety) >= v_q THEN
+                v_w := least(greatest(0, v_free - v_safety), v_q);
                 v_free := v_free - v_w;
                 v_dfree := v_dfree - v_w;
                 v_units := v_units - (v_q - v_w);
@@ -259,8 +270,9 @@ BEGIN
                 h_expires := h_expires || (v_now + p_ttls[i]);
                 h_views := h_views || v_view;
                 l_status := l_status || 'succeeded'::text;
-            ELSIF v_others THEN
-                -- units another transaction holds may cover it: not for here
+            ELSIF v_others OR b.backorder_limit > 0 THEN
+                -- units another transaction holds may cover it, or the backorder
+                -- allowance (taken unbatched, policy.sql): not for here
                 v_out[i] := '{"retry": true}';
                 CONTINUE;
             ELSE
@@ -270,7 +282,7 @@ BEGIN
                     'status', 'rejected', 'reason', 'insufficient_stock',
                     'short_lines', jsonb_build_array(jsonb_build_object(
                         'sku', b.sku, 'location', b.location, 'requested', v_q,
-                        'available', v_units + v_free)));
+                        'available', v_units + greatest(0, v_free - v_safety))));
                 l_status := l_status || 'rejected'::text;
             END IF;
             l_keys := l_keys || p_keys[i];
@@ -300,8 +312,10 @@ BEGIN
                 'error', 'PR410', 'message', format('unknown reservation %s', p_ids[i]));
             CONTINUE;
         END IF;
-        -- (a changed cart's one line may have another number than 1: it goes alone)
-        IF r_lines[j] <> 1 OR r_bucket[j] <> p_bucket OR r_line[j] <> 1 THEN
+        -- (a changed cart's one line may have another number than 1: it goes
+        -- alone; a backordered line settles its allowance unbatched, policy.sql)
+        IF r_lines[j] <> 1 OR r_bucket[j] <> p_bucket OR r_line[j] <> 1
+           OR r_backordered[j] > 0 THEN
             v_out[i] := '{"retry": true}';
             CONTINUE;
         END IF;
@@ -320,7 +334,7 @@ BEGIN
                 END IF;
                 IF NOT r_held[j] THEN
                     -- given up at expiry: take the units again, or fail the claim
-                    IF v_units + v_free < v_q AND NOT v_looked THEN
+                    IF v_units + greatest(0, v_free - v_safety) < v_q AND NOT v_looked THEN
                         v_looked := true;
                         IF v_dfree <> 0 OR v_don_hand <> 0 OR v_dshortfall <> 0 THEN
                             -- the look gives expired holds back against the bucket row
@@ -334,9 +348,10 @@ BEGIN
                         SELECT * INTO v_units, v_free, v_others, v_shortfall
                         FROM bucket_batch_look_v1(p_tenant, p_bucket, b.strategy, b.pool_cap,
                                                   v_now, i, p_kinds, p_quantities, v_units,
-                                                  v_free, r_ids);
+                                                  v_free - v_safety, r_ids);
+                        v_free := v_free + v_safety;
                     END IF;
-                    IF v_units + v_free < v_q THEN
+                    IF v_units + greatest(0, v_free - v_safety) < v_q THEN
                         IF v_others THEN
                             v_out[i] := '{"retry": true}';
                         ELSE
@@ -346,7 +361,7 @@ BEGIN
                         END IF;
                         CONTINUE;
                     END IF;
-                    v_w := least(v_free, v_q);
+                    v_w := least(greatest(0, v_free - v_safety), v_q);
                     v_free := v_free - v_w;
                     v_dfree := v_dfree - v_w;
                     v_units := v_units - (v_q - v_w);

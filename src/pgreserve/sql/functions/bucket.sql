@@ -9,12 +9,20 @@ BEGIN
     -- Reading it touches only the expired part of the held-lines index.
     RETURN (SELECT jsonb_build_object(
         'sku', b.sku, 'location', b.location, 'on_hand', b.on_hand,
-        'reserved', b.on_hand - (b.free + p.pool + e.expired),
-        'available', b.free + p.pool + greatest(0, e.expired - b.shortfall),
+        'reserved', b.on_hand + b.backorder_held - (b.free + p.pool + e.expired),
+        -- safety stock is never promised, the backorder allowance left may be (policy.sql)
+        'available', p.pool + greatest(0, b.free + greatest(0, e.expired - e.backordered
+                                                               - b.shortfall)
+                                          - b.safety_stock)
+                     + greatest(0, b.backorder_limit - (b.backorder_held - e.backordered)
+                                   - b.backorder_owed),
         'strategy', b.strategy, 'pool', p.pool, 'pool_cap', b.pool_cap,
-        'shortfall', b.shortfall, 'version', b.version)
+        'shortfall', b.shortfall, 'version', b.version,
+        'safety_stock', b.safety_stock, 'backorder_limit', b.backorder_limit,
+        'backorder_held', b.backorder_held, 'backorder_owed', b.backorder_owed)
     FROM stock_bucket b,
-    LATERAL (SELECT coalesce(sum(l.quantity), 0)::bigint AS expired
+    LATERAL (SELECT coalesce(sum(l.quantity), 0)::bigint AS expired,
+                    coalesce(sum(l.backordered), 0)::bigint AS backordered
              FROM reservation_line l
              WHERE l.tenant_id = b.tenant_id AND l.bucket_id = b.bucket_id AND l.held
                AND l.expires_at <= p_now) e,
@@ -39,6 +47,8 @@ DECLARE
     v_written_off bigint;
     v_batch_units bigint;
     v_batch_lines integer;
+    v_backordered bigint := 0;  -- of the lines given up: allowance back, not units
+    v_batch_backordered bigint;
 BEGIN
     SELECT shortfall INTO v_shortfall FROM stock_bucket
     WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
@@ -56,7 +66,7 @@ BEGIN
             FROM due
             WHERE (l.tenant_id, l.reservation_id, l.line_no)
                 = (due.tenant_id, due.reservation_id, due.line_no)
-            RETURNING l.reservation_id, l.line_no, l.quantity
+            RETURNING l.reservation_id, l.line_no, l.quantity, l.backordered
         ), logged AS (
             INSERT INTO stock_movement (tenant_id, bucket_id, kind, quantity, reservation_id,
                                         line_no, reason)
@@ -64,11 +74,15 @@ BEGIN
             FROM given_up
             RETURNING quantity
         )
-        SELECT count(*), coalesce(sum(quantity), 0) INTO v_batch_lines, v_batch_units
-        FROM logged;
+        SELECT (SELECT count(*) FROM logged),
+               (SELECT coalesce(sum(quantity - backordered), 0) FROM given_up),
+               (SELECT coalesce(sum(backordered), 0) FROM given_up)
+        INTO v_batch_lines, v_batch_units, v_batch_backordered;
         v_units := v_units + v_batch_units;
+        v_backordered := v_backordered + v_batch_backordered;
         EXIT WHEN v_batch_lines < 500 OR v_units - least(v_shortfall, v_units) >= p_enough;
     END LOOP;
+    PERFORM bucket_backorder_give_back_v1(p_tenant, p_bucket, v_backordered);
     IF v_units = 0 THEN
         RETURN 0;
     END IF;
@@ -130,16 +144,17 @@ BEGIN
     FOR v_round IN 1 .. 4 LOOP
         IF v_strategy = 'row' THEN
             taken_as := 'row';
+            -- safety stock stays in free: the write itself keeps it (policy.sql)
             UPDATE stock_bucket SET free = free - p_qty
             WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND strategy = 'row'
-              AND free >= p_qty;
+              AND free - p_qty >= safety_stock;
             IF FOUND THEN
                 ok := true;
                 from_free := p_qty;
                 RETURN;
             END IF;
             v_cut := coalesce(p_now, clock_timestamp());
-            SELECT b.strategy, b.pool_lo, b.pool_hi, b.free,
+            SELECT b.strategy, b.pool_lo, b.pool_hi, b.free - b.safety_stock,
                    EXISTS (SELECT 1 FROM reservation_line l
                            WHERE l.tenant_id = p_tenant AND l.bucket_id = p_bucket
                              AND l.held AND l.expires_at <= v_cut)
@@ -148,18 +163,21 @@ BEGIN
             -- switched to pool, or freed since the update: take again
             CONTINUE WHEN v_strategy <> 'row' OR v_free >= p_qty;
             IF NOT v_any_expired THEN
-                -- a row bucket has no pool: what is free is what it can serve
-                seen_available := v_free;
+                -- a row bucket has no pool: what is free beyond safety stock is what
+                -- it can serve
+                seen_available := greatest(0, v_free);
                 RETURN;
             END IF;
             -- Give up the expired holds under the bucket lock, then take.
             PERFORM 1 FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
             FOR NO KEY UPDATE;
             v_cut := coalesce(p_now, clock_timestamp());
-            PERFORM bucket_reclaim_expired_v1(p_tenant, p_bucket, v_cut, p_qty);
+            -- (enough to bring free back up to safety stock too)
+            PERFORM bucket_reclaim_expired_v1(p_tenant, p_bucket, v_cut,
+                                              p_qty + greatest(0, -v_free));
             UPDATE stock_bucket SET free = free - p_qty
             WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND strategy = 'row'
-              AND free >= p_qty
+              AND free - p_qty >= safety_stock
             RETURNING free INTO v_free;
             IF FOUND THEN
                 ok := true;
@@ -168,7 +186,7 @@ BEGIN
             END IF;
             -- The lock keeps free and the strategy as they are; an expired
             -- hold still held is being given up by another transaction.
-            SELECT b.free,
+            SELECT b.free - b.safety_stock,
                    EXISTS (SELECT 1 FROM reservation_line l
                            WHERE l.tenant_id = p_tenant AND l.bucket_id = p_bucket
                              AND l.held AND l.expires_at <= v_cut)
@@ -178,7 +196,7 @@ BEGIN
                 RAISE EXCEPTION 'expired holds of bucket % are being given up: retry', p_bucket
                     USING ERRCODE = 'serialization_failure';
             END IF;
-            seen_available := v_free;
+            seen_available := greatest(0, v_free);
             RETURN;
         END IF;
 
@@ -200,7 +218,8 @@ BEGIN
         -- waited). Units other buyers hold count: they may stay.
         FOR v_look IN 1 .. 2 LOOP
             v_cut := coalesce(p_now, clock_timestamp());
-            SELECT b.strategy, b.pool_lo, b.pool_hi, b.free, b.shortfall,
+            -- (free counts only beyond safety stock, which never enters the pool)
+            SELECT b.strategy, b.pool_lo, b.pool_hi, b.free - b.safety_stock, b.shortfall,
                    (SELECT count(*) FROM (SELECT 1 FROM stock_unit u
                                           WHERE u.tenant_id = p_tenant
                                             AND u.bucket_id = p_bucket
@@ -211,7 +230,7 @@ BEGIN
             INTO v_strategy, v_lo, v_hi, v_free, v_shortfall, v_pool, v_expired
             FROM stock_bucket b WHERE b.tenant_id = p_tenant AND b.bucket_id = p_bucket;
             EXIT WHEN v_strategy <> 'pool';
-            v_usable := v_free + v_pool + greatest(0, v_expired - v_shortfall);
+            v_usable := v_pool + greatest(0, v_free + greatest(0, v_expired - v_shortfall));
             IF v_usable < p_qty THEN
                 seen_available := v_usable;
                 RETURN;
@@ -285,7 +304,7 @@ BEGIN
         WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
         -- Under the lock free is exact and the pool only shrinks; what the
         -- refill could not reach is held by concurrent buyers or givers-up.
-        SELECT b.free + greatest(0, e.expired - b.shortfall)
+        SELECT greatest(0, b.free + greatest(0, e.expired - b.shortfall) - b.safety_stock)
                + (SELECT count(*) FROM (SELECT 1 FROM stock_unit u
                                         WHERE u.tenant_id = p_tenant AND u.bucket_id = p_bucket
                                         LIMIT p_qty) s)
@@ -313,14 +332,31 @@ RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
     v_strategy text;
     v_shortfall bigint;
+    v_below boolean;
+    v_to_free bigint;
+    v_to_pool bigint;
 BEGIN
     -- FOR KEY SHARE keeps the strategy read here true until this transaction
     -- ends (a switch takes FOR UPDATE) without queueing behind ordinary
     -- updates of the bucket.
-    SELECT strategy, shortfall INTO v_strategy, v_shortfall
+    SELECT strategy, shortfall, free < safety_stock INTO v_strategy, v_shortfall, v_below
     FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
     FOR KEY SHARE;
-    IF v_strategy = 'pool' AND v_shortfall = 0 THEN
+    IF v_strategy = 'pool' AND v_shortfall = 0 AND v_below THEN
+        -- Safety stock never enters the pool: free is topped up to it first (the
+        -- deficit can only shrink meanwhile: takes keep free >= safety_stock, and
+        -- what lowers free below it waits for this line's lock).
+        SELECT least(p_qty, greatest(0, safety_stock - free)) INTO v_to_free
+        FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+        FOR NO KEY UPDATE;
+        UPDATE stock_bucket SET free = free + v_to_free, updated_at = p_now
+        WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+        v_to_pool := p_qty - v_to_free;
+        IF v_to_pool > 0 THEN
+            INSERT INTO stock_unit (tenant_id, bucket_id)
+            SELECT p_tenant, p_bucket FROM generate_series(1, v_to_pool);
+        END IF;
+    ELSIF v_strategy = 'pool' AND v_shortfall = 0 THEN
         INSERT INTO stock_unit (tenant_id, bucket_id)
         SELECT p_tenant, p_bucket FROM generate_series(1, p_qty);
     ELSE
@@ -338,7 +374,8 @@ END $$;
 -- Take exclusive hold of a bucket for a stock change: lock its held lines
 -- (so no release or expiry is putting units back), then the bucket row, then
 -- drain the pool into free (waiting for in-flight takes to finish).
--- Returns the bucket row and the units currently held.
+-- Returns the bucket row and the units currently held on hand (backordered ones
+-- are held but not on hand).
 CREATE OR REPLACE FUNCTION bucket_lock_exclusive_v1(p_tenant bigint, p_bucket bigint,
                                          OUT o_bucket stock_bucket, OUT o_held bigint)
 LANGUAGE plpgsql AS $$
@@ -376,7 +413,8 @@ BEGIN
     UPDATE stock_bucket SET free = free + v_drained
     WHERE tenant_id = p_tenant AND bucket_id = p_bucket
     RETURNING * INTO o_bucket;
-    SELECT coalesce(sum(quantity), 0) INTO o_held FROM reservation_line
+    -- units held on hand: a line's backordered units are not (0009)
+    SELECT coalesce(sum(quantity - backordered), 0) INTO o_held FROM reservation_line
     WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND held;
 END $$;
 

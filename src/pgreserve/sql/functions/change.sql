@@ -71,6 +71,13 @@ BEGIN
         RAISE EXCEPTION 'reservation % is not active', p_id USING ERRCODE = 'PR426',
             DETAIL = 'expired';
     END IF;
+    -- A line holding backordered units (policy.sql) keeps its allowance on the
+    -- line; a change would renumber or give back that line without settling it.
+    IF EXISTS (SELECT 1 FROM reservation_line
+               WHERE tenant_id = p_tenant AND reservation_id = p_id AND backordered > 0) THEN
+        RAISE EXCEPTION 'reservation % holds backordered units and cannot be changed: '
+                        'release it and reserve the new cart', p_id USING ERRCODE = 'PR428';
+    END IF;
 
     SELECT jsonb_agg(jsonb_build_object('sku', u.sku, 'location', u.loc) ORDER BY u.ord)
     INTO v_missing

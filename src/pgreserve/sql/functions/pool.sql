@@ -105,22 +105,25 @@ DECLARE
     v_strategy text;
     v_pool bigint;
     v_reclaimed bigint;
+    v_safety bigint;
 BEGIN
     added := 0;
     direct := 0;
-    SELECT free, pool_cap, strategy INTO v_free, v_cap, v_strategy
+    SELECT free, pool_cap, strategy, safety_stock INTO v_free, v_cap, v_strategy, v_safety
     FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
     FOR NO KEY UPDATE;
     IF NOT FOUND OR v_strategy <> 'pool' THEN
         RETURN;
     END IF;
     -- enough for what this refill can place: the direct units and a full pool
-    v_reclaimed := bucket_reclaim_expired_v1(p_tenant, p_bucket, p_now, p_need::bigint + v_cap);
+    v_reclaimed := bucket_reclaim_expired_v1(p_tenant, p_bucket, p_now,
+                                             p_need::bigint + v_cap + greatest(0, v_safety - v_free));
     v_free := v_free + v_reclaimed;
-    direct := least(v_free, p_need);
+    -- safety stock stays in free: neither taken directly nor put in the pool
+    direct := greatest(0, least(v_free - v_safety, p_need));
     SELECT count(*) INTO v_pool FROM stock_unit
     WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
-    added := greatest(0, least(v_free - direct, v_cap - v_pool));
+    added := greatest(0, least(v_free - v_safety - direct, v_cap - v_pool));
     IF added > 0 THEN
         INSERT INTO stock_unit (tenant_id, bucket_id)
         SELECT p_tenant, p_bucket FROM generate_series(1, added);
@@ -140,17 +143,22 @@ END $$;
 -- stock to refill from, most depleted first. For the background replenisher.
 CREATE OR REPLACE FUNCTION pool_refill_candidates_v1(p_low_water real, p_limit integer)
 RETURNS TABLE (tenant_id bigint, bucket_id bigint, pool bigint, pool_cap integer)
-LANGUAGE sql STABLE AS $$
+LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    -- plpgsql, not sql: its body names a column of a later migration (safety_stock).
+    -- Free stock beyond safety stock is what a refill may place.
+    RETURN QUERY
     SELECT b.tenant_id, b.bucket_id, p.pool, b.pool_cap
     FROM stock_bucket b,
     LATERAL (SELECT count(*) AS pool FROM (
                  SELECT 1 FROM stock_unit u
                  WHERE u.tenant_id = b.tenant_id AND u.bucket_id = b.bucket_id
                  LIMIT b.pool_cap) s) p
-    WHERE b.strategy = 'pool' AND b.free > 0 AND p.pool < b.pool_cap * p_low_water
+    WHERE b.strategy = 'pool' AND b.free > b.safety_stock
+      AND p.pool < b.pool_cap * p_low_water
     ORDER BY p.pool::real / b.pool_cap
-    LIMIT p_limit
-$$;
+    LIMIT p_limit;
+END $$;
 
 -- Background refill of one bucket; skips it when another transaction holds
 -- the bucket (that one is refilling or changing it). Returns units added, or

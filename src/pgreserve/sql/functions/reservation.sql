@@ -33,8 +33,11 @@ CREATE OR REPLACE TRIGGER reservation_line_held_guard BEFORE UPDATE ON reservati
     FOR EACH ROW EXECUTE FUNCTION reservation_line_held_guard();
 
 CREATE OR REPLACE FUNCTION reservation_view_v1(p_tenant bigint, p_id uuid, p_now timestamptz)
-RETURNS jsonb LANGUAGE sql STABLE AS $$
-    SELECT jsonb_build_object(
+RETURNS jsonb LANGUAGE plpgsql STABLE AS $$
+BEGIN
+    -- plpgsql, not sql: its body names a column of a later migration (backordered).
+    -- A line shows its backordered units only when it has some.
+    RETURN (SELECT jsonb_build_object(
         'id', r.reservation_id,
         'status', CASE WHEN r.status = 'active' AND r.expires_at <= p_now
                        THEN 'expired' ELSE r.status END,
@@ -45,14 +48,17 @@ RETURNS jsonb LANGUAGE sql STABLE AS $$
                                     THEN r.expires_at END),
         'lines', (SELECT jsonb_agg(jsonb_build_object(
                       'sku', b.sku, 'location', b.location, 'quantity', l.quantity)
+                      || CASE WHEN l.backordered > 0
+                              THEN jsonb_build_object('backordered', l.backordered)
+                              ELSE '{}'::jsonb END
                       -- the order a cart is held in (a changed cart renumbers lines)
                       ORDER BY b.sku COLLATE "C", b.location COLLATE "C")
                   FROM reservation_line l
                   JOIN stock_bucket b ON b.tenant_id = l.tenant_id AND b.bucket_id = l.bucket_id
                   WHERE l.tenant_id = r.tenant_id AND l.reservation_id = r.reservation_id))
     FROM reservation r
-    WHERE r.tenant_id = p_tenant AND r.reservation_id = p_id
-$$;
+    WHERE r.tenant_id = p_tenant AND r.reservation_id = p_id);
+END $$;
 
 -- reserve_v1, claim_v1, release_v1 and transition_keyed_v1 may run in a caller's own
 -- transaction (ReservationService(..., conn=)), whatever its search_path:
@@ -87,6 +93,8 @@ DECLARE
     v_seen bigint[] := '{}';
     v_take record;
     v_from_free integer[] := '{}';
+    v_backordered integer[] := '{}';  -- of each line, from the backorder allowance
+    v_bo record;
     v_unit_buckets bigint[] := '{}';
     v_unit_ids bigint[] := '{}';
     v_id uuid;
@@ -126,14 +134,20 @@ BEGIN
         -- and no hold past its expiry. Then the answer is no at once: no take,
         -- no refill lock, no scan. The probes name the bucket by a parameter,
         -- so the executor opens one pool partition, not all of them.
-        SELECT b.bucket_id, b.strategy, b.pool_lo, b.pool_hi, b.free, b.cart_limit
+        -- (free beyond the safety stock, which is never promised)
+        SELECT b.bucket_id, b.strategy, b.pool_lo, b.pool_hi, b.free - b.safety_stock,
+               b.cart_limit
         INTO v_bucket, v_strategy, v_lo, v_hi, v_free, v_limit
         FROM stock_bucket b
         WHERE b.tenant_id = p_tenant AND b.sku = p_skus[1] AND b.location = p_locations[1];
         IF FOUND THEN
             IF v_free < p_quantities[1] THEN
                 v_cut := coalesce(p_now, clock_timestamp());  -- after the key's lock wait
-                SELECT b.free, b.free < p_quantities[1]
+                SELECT greatest(0, b.free - b.safety_stock)
+                       + greatest(0, b.backorder_limit - b.backorder_held - b.backorder_owed),
+                       greatest(0, b.free - b.safety_stock)
+                       + greatest(0, b.backorder_limit - b.backorder_held - b.backorder_owed)
+                       < p_quantities[1]
                        AND NOT EXISTS (SELECT 1 FROM stock_unit u
                                        WHERE u.tenant_id = p_tenant AND u.bucket_id = v_bucket)
                        AND NOT EXISTS (SELECT 1 FROM reservation_line l
@@ -195,7 +209,7 @@ BEGIN
     END IF;
 
     IF v_sold_out THEN
-        v_seen := ARRAY[v_free];
+        v_seen := ARRAY[greatest(0, v_free)];
         v_short := ARRAY[1];
     ELSE
         -- A cart of several lines keeps its pool units locked and deletes
@@ -209,15 +223,31 @@ BEGIN
                                      cardinality(v_buckets) > 1);
             IF v_take.ok THEN
                 v_from_free := v_from_free || v_take.from_free;
+                v_backordered := v_backordered || 0;
                 IF v_take.units IS NOT NULL THEN
                     v_unit_buckets := v_unit_buckets
                                       || array_fill(v_buckets[i], ARRAY[cardinality(v_take.units)]);
                     v_unit_ids := v_unit_ids || v_take.units;
                 END IF;
+                CONTINUE;
+            END IF;
+            -- short: the rest from the bucket's backorder allowance, if it has one
+            -- (policy.sql; a short take took nothing)
+            v_bo := bucket_backorder_take_v1(p_tenant, v_buckets[i], p_quantities[i], p_now,
+                                             cardinality(v_buckets) > 1);
+            IF v_bo.ok THEN
+                v_from_free := v_from_free || v_bo.from_free;
+                v_backordered := v_backordered || v_bo.backordered;
+                IF v_bo.units IS NOT NULL THEN
+                    v_unit_buckets := v_unit_buckets
+                                      || array_fill(v_buckets[i], ARRAY[cardinality(v_bo.units)]);
+                    v_unit_ids := v_unit_ids || v_bo.units;
+                END IF;
             ELSE
                 v_from_free := v_from_free || 0;
+                v_backordered := v_backordered || 0;
                 v_short := v_short || i;
-                v_seen := v_seen || v_take.seen_available;
+                v_seen := v_seen || coalesce(v_bo.seen_available, v_take.seen_available);
             END IF;
         END LOOP;
     END IF;
@@ -227,8 +257,10 @@ BEGIN
         -- row lock is this transaction's); kept pool units are unlocked at
         -- commit.
         FOR i IN 1 .. cardinality(v_from_free) LOOP
-            IF v_from_free[i] > 0 THEN
-                UPDATE stock_bucket SET free = free + v_from_free[i]
+            IF v_from_free[i] > 0 OR v_backordered[i] > 0 THEN
+                -- (and the backorder allowance they took)
+                UPDATE stock_bucket SET free = free + v_from_free[i],
+                                        backorder_held = backorder_held - v_backordered[i]
                 WHERE tenant_id = p_tenant AND bucket_id = v_buckets[i];
             END IF;
         END LOOP;
@@ -265,14 +297,18 @@ BEGIN
         v_id := gen_random_uuid();
         -- The same document reservation_view_v1 would read back, built from
         -- what is known here.
-        IF cardinality(p_skus) = 1 THEN
+        -- (a line shows its backordered units only when it has some)
+        IF cardinality(p_skus) = 1 AND v_backordered[1] = 0 THEN
             v_lines := jsonb_build_array(jsonb_build_object(
                 'sku', p_skus[1], 'location', p_locations[1], 'quantity', p_quantities[1]));
         ELSE
             SELECT jsonb_agg(jsonb_build_object('sku', sku, 'location', loc, 'quantity', qty)
+                             || CASE WHEN bo > 0 THEN jsonb_build_object('backordered', bo)
+                                     ELSE '{}'::jsonb END
                              ORDER BY ord)
             INTO v_lines
-            FROM unnest(p_skus, p_locations, p_quantities) WITH ORDINALITY AS u(sku, loc, qty, ord);
+            FROM unnest(p_skus, p_locations, p_quantities, v_backordered)
+                 WITH ORDINALITY AS u(sku, loc, qty, bo, ord);
         END IF;
         v_view := jsonb_build_object(
             'id', v_id, 'status', 'active', 'created_at', v_now,
@@ -289,9 +325,10 @@ BEGIN
             VALUES (p_tenant, v_id, p_key, v_now, v_now + p_ttl)
         ), held_lines AS (
             INSERT INTO reservation_line (tenant_id, reservation_id, line_no, bucket_id,
-                                          quantity, expires_at)
-            SELECT p_tenant, v_id, ord, bucket, qty, v_now + p_ttl
-            FROM unnest(v_buckets, p_quantities) WITH ORDINALITY AS u(bucket, qty, ord)
+                                          quantity, expires_at, backordered)
+            SELECT p_tenant, v_id, ord, bucket, qty, v_now + p_ttl, bo
+            FROM unnest(v_buckets, p_quantities, v_backordered)
+                 WITH ORDINALITY AS u(bucket, qty, bo, ord)
         ), event AS (
             INSERT INTO outbox_event (tenant_id, type, payload)
             VALUES (p_tenant, 'reservation.created', v_view)
@@ -346,11 +383,12 @@ BEGIN
     END IF;
 
     FOR v_line IN
-        SELECT l.line_no, l.bucket_id, l.quantity, l.held
+        SELECT l.line_no, l.bucket_id, l.quantity, l.held,
+               CASE WHEN l.held THEN l.backordered ELSE 0 END AS backordered
         FROM reservation_line l
         JOIN stock_bucket b ON b.tenant_id = l.tenant_id AND b.bucket_id = l.bucket_id
         WHERE l.tenant_id = p_tenant AND l.reservation_id = p_id
-        ORDER BY b.sku, b.location
+        ORDER BY b.sku COLLATE "C", b.location COLLATE "C"
         FOR UPDATE OF l
     LOOP
         IF v_line.held THEN
@@ -365,8 +403,14 @@ BEGIN
         END IF;
         -- A shortfall stays until receipts pay it back: claiming a hold whose
         -- units a forced correction found missing sells units still owed.
+        -- Backordered units of a held line are sold too, but they are not on hand:
+        -- they become owed until receipts cover them (a line given up at expiry
+        -- and taken again above took all its units from stock).
         UPDATE stock_bucket
-        SET on_hand = on_hand - v_line.quantity, updated_at = v_now
+        SET on_hand = on_hand - (v_line.quantity - v_line.backordered),
+            backorder_held = backorder_held - v_line.backordered,
+            backorder_owed = backorder_owed + v_line.backordered,
+            updated_at = v_now
         WHERE tenant_id = p_tenant AND bucket_id = v_line.bucket_id;
         INSERT INTO stock_movement (tenant_id, bucket_id, kind, quantity, reservation_id, line_no)
         VALUES (p_tenant, v_line.bucket_id, 'sale', -v_line.quantity, p_id, v_line.line_no);
@@ -391,11 +435,11 @@ DECLARE
     v_units bigint := 0;
 BEGIN
     FOR v_line IN
-        SELECT l.line_no, l.bucket_id, l.quantity
+        SELECT l.line_no, l.bucket_id, l.quantity, l.backordered
         FROM reservation_line l
         JOIN stock_bucket b ON b.tenant_id = l.tenant_id AND b.bucket_id = l.bucket_id
         WHERE l.tenant_id = p_tenant AND l.reservation_id = p_id AND l.held
-        ORDER BY b.sku, b.location
+        ORDER BY b.sku COLLATE "C", b.location COLLATE "C"
         FOR UPDATE OF l
     LOOP
         UPDATE reservation_line SET held = false
@@ -404,7 +448,12 @@ BEGIN
                                     line_no, reason)
         VALUES (p_tenant, v_line.bucket_id, 'restore', v_line.quantity, p_id,
                 v_line.line_no, p_reason);
-        PERFORM bucket_give_back_v1(p_tenant, v_line.bucket_id, v_line.quantity, p_now);
+        -- units on hand go back to stock, backordered ones to the allowance
+        IF v_line.quantity > v_line.backordered THEN
+            PERFORM bucket_give_back_v1(p_tenant, v_line.bucket_id,
+                                        v_line.quantity - v_line.backordered, p_now);
+        END IF;
+        PERFORM bucket_backorder_give_back_v1(p_tenant, v_line.bucket_id, v_line.backordered);
         v_units := v_units + v_line.quantity;
     END LOOP;
     RETURN v_units;
@@ -505,13 +554,14 @@ BEGIN
     FOR v_bucket IN
         WITH due AS (
             SELECT l.tenant_id, l.reservation_id, l.line_no, l.bucket_id, l.quantity,
-                   b.sku, b.location
+                   l.backordered, b.sku, b.location
             FROM unnest(v_tenants, v_ids) AS r(tenant_id, reservation_id)
             JOIN reservation_line l
               ON l.tenant_id = r.tenant_id AND l.reservation_id = r.reservation_id
             JOIN stock_bucket b ON b.tenant_id = l.tenant_id AND b.bucket_id = l.bucket_id
             WHERE l.held
-            ORDER BY l.tenant_id, b.sku, b.location, l.reservation_id, l.line_no
+            ORDER BY l.tenant_id, b.sku COLLATE "C", b.location COLLATE "C", l.reservation_id,
+                     l.line_no
             FOR UPDATE OF l
         ), given_up AS (
             UPDATE reservation_line l SET held = false
@@ -525,13 +575,19 @@ BEGIN
                    'expired'
             FROM due
         )
-        SELECT tenant_id, bucket_id, sum(quantity)::integer AS quantity
+        SELECT tenant_id, bucket_id, sum(quantity - backordered)::integer AS quantity,
+               sum(backordered) AS backordered
         FROM due
         GROUP BY tenant_id, bucket_id, sku, location
-        ORDER BY tenant_id, sku, location
+        ORDER BY tenant_id, sku COLLATE "C", location COLLATE "C"
     LOOP
-        PERFORM bucket_give_back_v1(v_bucket.tenant_id, v_bucket.bucket_id, v_bucket.quantity,
-                                    v_now);
+        -- units on hand go back to stock, backordered ones to the allowance
+        IF v_bucket.quantity > 0 THEN
+            PERFORM bucket_give_back_v1(v_bucket.tenant_id, v_bucket.bucket_id,
+                                        v_bucket.quantity, v_now);
+        END IF;
+        PERFORM bucket_backorder_give_back_v1(v_bucket.tenant_id, v_bucket.bucket_id,
+                                              v_bucket.backordered);
     END LOOP;
     UPDATE reservation r SET status = 'expired', expired_at = v_now
     FROM unnest(v_tenants, v_ids) AS d(tenant_id, reservation_id)

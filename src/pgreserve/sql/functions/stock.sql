@@ -16,10 +16,15 @@ END $$;
 -- true (the line must exist: no insert) or false (create only: the INSERT must not
 -- conflict). A failed precondition returns stock_precondition_failed_v1 and leaves
 -- no write behind (the lock-and-drain runs in a block that is rolled back).
-CREATE OR REPLACE FUNCTION stock_set_v2(p_tenant bigint, p_sku text, p_location text,
+-- p_safety, p_backorder: the bucket's safety stock and backorder limit (policy.sql;
+-- NULL keeps them, a new line starts at 0). They are written under the same
+-- exclusive lock as the count, so the pool is drained and refilled without the
+-- units a raised safety stock keeps back.
+CREATE OR REPLACE FUNCTION stock_set_v3(p_tenant bigint, p_sku text, p_location text,
                                         p_on_hand bigint, p_strategy text, p_force boolean,
                                         p_pool_cap integer, p_if_match bigint[],
-                                        p_exists boolean, p_now timestamptz DEFAULT NULL)
+                                        p_exists boolean, p_safety bigint,
+                                        p_backorder bigint, p_now timestamptz DEFAULT NULL)
 RETURNS jsonb LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
 SET enable_seqscan = off
@@ -41,11 +46,12 @@ BEGIN
             PERFORM sku_lock_v1(p_tenant, p_sku);
         END IF;
         INSERT INTO stock_bucket (tenant_id, sku, location, on_hand, free, strategy, pool_cap,
-                                  cart_limit)
+                                  cart_limit, safety_stock, backorder_limit)
         VALUES (p_tenant, p_sku, p_location, p_on_hand, p_on_hand, coalesce(p_strategy, 'row'),
                 coalesce(p_pool_cap, 1000),
                 (SELECT s.cart_limit FROM sku_setting s
-                 WHERE s.tenant_id = p_tenant AND s.sku = p_sku))
+                 WHERE s.tenant_id = p_tenant AND s.sku = p_sku),
+                coalesce(p_safety, 0), coalesce(p_backorder, 0))
         ON CONFLICT (tenant_id, sku, location) DO NOTHING
         RETURNING bucket_id INTO v_bucket;
         v_created := v_bucket IS NOT NULL;
@@ -67,6 +73,8 @@ BEGIN
             UPDATE stock_bucket
             SET strategy = coalesce(p_strategy, strategy),
                 pool_cap = coalesce(p_pool_cap, pool_cap),
+                safety_stock = coalesce(p_safety, safety_stock),
+                backorder_limit = coalesce(p_backorder, backorder_limit),
                 version = version + 1
             WHERE tenant_id = p_tenant AND bucket_id = v_bucket
               AND (p_if_match IS NULL OR version = ANY (p_if_match));
@@ -88,6 +96,17 @@ BEGIN
     INSERT INTO outbox_event (tenant_id, type, payload)
     VALUES (p_tenant, 'stock.changed', v_view || jsonb_build_object('change', 'set'));
     RETURN v_view || jsonb_build_object('created', v_created);
+END $$;
+
+-- (kept for processes of the previous release during an upgrade: no stock policy)
+CREATE OR REPLACE FUNCTION stock_set_v2(p_tenant bigint, p_sku text, p_location text,
+                                        p_on_hand bigint, p_strategy text, p_force boolean,
+                                        p_pool_cap integer, p_if_match bigint[],
+                                        p_exists boolean, p_now timestamptz DEFAULT NULL)
+RETURNS jsonb LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN stock_set_v3(p_tenant, p_sku, p_location, p_on_hand, p_strategy, p_force,
+                        p_pool_cap, p_if_match, p_exists, NULL, NULL, p_now);
 END $$;
 
 -- The unconditional form (kept for callers of the first signature).
@@ -134,12 +153,18 @@ BEGIN
                                                           'location', p_location))::text;
     END IF;
     IF p_delta >= 0 THEN
-        -- A receipt pays back any shortfall first, then becomes free stock.
+        -- A receipt pays back any shortfall first, then the backordered units
+        -- claimed and owed (they leave with the buyers they were sold to), then
+        -- becomes free stock.
         -- on_hand stays within the bound every input is checked against
         -- (2^53, exact in JSON numbers), so every sum stays representable.
         UPDATE stock_bucket
-        SET on_hand = on_hand + p_delta - least(shortfall, p_delta),
-            free = free + p_delta - least(shortfall, p_delta),
+        SET on_hand = on_hand + p_delta - least(shortfall, p_delta)
+                      - least(backorder_owed, p_delta - least(shortfall, p_delta)),
+            free = free + p_delta - least(shortfall, p_delta)
+                   - least(backorder_owed, p_delta - least(shortfall, p_delta)),
+            backorder_owed = backorder_owed
+                             - least(backorder_owed, p_delta - least(shortfall, p_delta)),
             shortfall = shortfall - least(shortfall, p_delta),
             version = version + 1,
             updated_at = v_now
@@ -199,11 +224,20 @@ $$;
 CREATE OR REPLACE FUNCTION invariant_violations_v1(p_tenant bigint DEFAULT NULL,
                                         p_now timestamptz DEFAULT NULL)
 RETURNS TABLE (tenant_id bigint, sku text, location text, rule text, detail text)
-LANGUAGE sql STABLE AS $$
+LANGUAGE plpgsql STABLE AS $$
+#variable_conflict use_column
+BEGIN
+    -- plpgsql, not sql: its body names columns of a later migration (0009), which a
+    -- sql function would check when created, before that migration ran.
+    RETURN QUERY
     WITH now_ AS (SELECT coalesce(p_now, clock_timestamp()) AS now),
     figures AS (
         SELECT b.tenant_id, b.bucket_id, b.sku, b.location, b.on_hand, b.free, b.strategy,
-               b.shortfall,
+               b.shortfall, b.safety_stock, b.backorder_limit, b.backorder_held,
+               b.backorder_owed,
+               (SELECT coalesce(sum(backordered), 0) FROM reservation_line l
+                 WHERE l.tenant_id = b.tenant_id AND l.bucket_id = b.bucket_id AND l.held)
+                   AS held_backordered,
                -- physical units by the movement ledger: counts, adjustments, sales
                (SELECT coalesce(sum(m.quantity), 0) FROM stock_movement m
                  WHERE m.tenant_id = b.tenant_id AND m.bucket_id = b.bucket_id
@@ -219,14 +253,28 @@ LANGUAGE sql STABLE AS $$
         FROM stock_bucket b
         WHERE p_tenant IS NULL OR b.tenant_id = p_tenant
     )
-    SELECT tenant_id, sku, location, 'accounting',
-           format('on_hand %s <> free %s + pool %s + held %s', on_hand, free, pool, held)
-    FROM figures WHERE on_hand <> free + pool + held
+    -- (0009: held units beyond on_hand are backordered, not on hand)
+    SELECT tenant_id, sku, location, 'accounting'::text,
+           format('on_hand %s <> free %s + pool %s + held %s - backorder_held %s',
+                  on_hand, free, pool, held, backorder_held)
+    FROM figures WHERE on_hand <> free + pool + held - backorder_held
     UNION ALL
     SELECT tenant_id, sku, location, 'negative',
-           format('on_hand %s free %s reserved %s available %s',
-                  on_hand, free, reserved, on_hand - reserved)
-    FROM figures WHERE on_hand < 0 OR free < 0 OR reserved < 0 OR on_hand - reserved < 0
+           format('on_hand %s free %s reserved %s backorder_held %s available %s',
+                  on_hand, free, reserved, backorder_held, on_hand + backorder_held - reserved)
+    FROM figures WHERE on_hand < 0 OR free < 0 OR reserved < 0
+                    OR on_hand + backorder_held - reserved < 0
+    UNION ALL
+    -- safety stock never enters the pool: a pool with units means free covers it
+    SELECT tenant_id, sku, location, 'safety_in_pool',
+           format('pool %s units while free %s < safety_stock %s', pool, free, safety_stock)
+    FROM figures WHERE pool > 0 AND free < safety_stock
+    UNION ALL
+    -- the bucket's count of backordered held units is its held lines' own
+    SELECT tenant_id, sku, location, 'backorder',
+           format('backorder_held %s <> %s backordered in held lines',
+                  backorder_held, held_backordered)
+    FROM figures WHERE backorder_held <> held_backordered
     UNION ALL
     SELECT tenant_id, sku, location, 'pool_on_row_bucket', format('%s pool units', pool)
     FROM figures WHERE strategy = 'row' AND pool > 0
@@ -234,9 +282,9 @@ LANGUAGE sql STABLE AS $$
     -- on_hand less what a forced correction found missing is what the
     -- movements say is there; a path that creates or destroys a unit breaks it
     SELECT tenant_id, sku, location, 'ledger',
-           format('on_hand %s - shortfall %s <> %s by the movement ledger',
-                  on_hand, shortfall, booked)
-    FROM figures WHERE on_hand - shortfall <> booked
+           format('on_hand %s - shortfall %s - backorder_owed %s <> %s by the movement ledger',
+                  on_hand, shortfall, backorder_owed, booked)
+    FROM figures WHERE on_hand - shortfall - backorder_owed <> booked
     UNION ALL
     -- a hold of a finished reservation must not be counted any more
     SELECT l.tenant_id, b.sku, b.location, 'finished_but_held',
@@ -263,5 +311,5 @@ LANGUAGE sql STABLE AS $$
       AND CASE WHEN l.held THEN m.n <> 0
                -- claimed after its expiry had given the line up: one restore
                WHEN r.status = 'claimed' THEN m.n > 1
-               ELSE m.n <> 1 END
-$$;
+               ELSE m.n <> 1 END;
+END $$;

@@ -19,7 +19,8 @@ SELECT b.tenant_id, b.bucket_id, b.sku, b.location, b.strategy, b.on_hand, b.fre
            AND m.kind = 'restore') AS restored,
        (SELECT coalesce(sum(m.quantity), 0) FROM stock_movement m
          WHERE m.tenant_id = b.tenant_id AND m.bucket_id = b.bucket_id
-           AND m.kind IN ('count', 'adjust', 'sale')) AS ledger_on_hand
+           AND m.kind IN ('count', 'adjust', 'sale')) AS ledger_on_hand,
+       b.safety_stock, b.backorder_held, b.backorder_owed
 FROM stock_bucket b
 WHERE %(tenant)s::bigint IS NULL OR b.tenant_id = %(tenant)s::bigint
 ORDER BY b.tenant_id, b.sku, b.location;

@@ -96,6 +96,7 @@ BEGIN
                           WHERE d.classid = 'pg_proc'::regclass AND d.objid = p.oid
                             AND d.deptype = 'e')
           AND p.proname = ANY (ARRAY[
+              'bucket_backorder_give_back_v1', 'bucket_backorder_take_v1',
               'bucket_apply_on_hand_v1', 'bucket_batch_look_v1', 'bucket_batch_v1',
               'bucket_give_back_v1', 'bucket_lock_exclusive_v1', 'bucket_reclaim_expired_v1',
               'bucket_take_v1', 'bucket_untake_v1', 'bucket_view_v1', 'cart_limit_refusal_v1',
@@ -111,7 +112,7 @@ BEGIN
               'reservation_transition_guard', 'reservation_view_v1', 'reserve_v1',
               'sku_limit_set_v1', 'sku_lock_v1', 'sku_settings_v1',
               'stock_adjust_v1', 'stock_adjust_v2', 'stock_precondition_failed_v1',
-              'stock_set_v1', 'stock_set_v2', 'tenant_create_v1', 'tenant_create_v2',
+              'stock_set_v1', 'stock_set_v2', 'stock_set_v3', 'tenant_create_v1', 'tenant_create_v2',
               'tenant_require_v1', 'transition_keyed_v1', 'transition_keyed_v2',
               'webhook_advance_v1',
               'webhook_claim_v1', 'webhook_fail_v1', 'webhook_register_v1',

@@ -1,8 +1,9 @@
 -- Stock counts, the stock listing and the accounting checks (core/service.py).
 
 -- name: stock_set
--- tenant, sku, location, on_hand, strategy, force, pool_cap, if_match versions, exists, now
-SELECT stock_set_v2(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s);
+-- tenant, sku, location, on_hand, strategy, force, pool_cap, if_match versions, exists,
+-- safety stock, backorder limit, now
+SELECT stock_set_v3(%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s);
 
 -- name: stock_adjust
 -- tenant, key, digest, sku, location, delta, reason, force, if_match versions, now

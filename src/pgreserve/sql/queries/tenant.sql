@@ -21,6 +21,11 @@ SELECT 1 FROM tenant WHERE tenant_id = %s;
 -- The tenant of an unrevoked key, found by the key's hash.
 SELECT tenant_id FROM api_key WHERE key_hash = %s AND revoked_at IS NULL;
 
+-- name: api_key_authenticate_many
+-- The tenants of the unrevoked keys among these hashes (one lookup for the requests
+-- that arrived together), by hash.
+SELECT key_hash, tenant_id FROM api_key WHERE key_hash = ANY(%s) AND revoked_at IS NULL;
+
 -- name: api_key_create_with_prefix
 INSERT INTO api_key (tenant_id, key_hash, key_prefix) VALUES (%s, %s, %s);
 
