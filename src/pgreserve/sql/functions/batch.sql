@@ -24,10 +24,8 @@
 -- reservations to claim or release (by id), their lines, the bucket row, then
 -- units and the insert-only tables.
 -- p_references and p_metadata (each reserve's reference and metadata; NULL: none)
--- came later, with defaults: the signature before them is dropped, so a call in
--- its form still resolves to this one function.
-DROP FUNCTION IF EXISTS bucket_batch_v1(bigint, bigint, text[], text[], text[], integer[],
-                                        interval[], uuid[], timestamptz);
+-- came later, with defaults, so a call without them still resolves to this one
+-- function (migration 0007 dropped the signature without them).
 CREATE OR REPLACE FUNCTION bucket_batch_v1(p_tenant bigint, p_bucket bigint, p_kinds text[],
                                            p_keys text[], p_digests text[],
                                            p_quantities integer[], p_ttls interval[],

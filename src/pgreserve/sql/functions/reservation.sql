@@ -61,10 +61,8 @@ END $$;
 -- transaction (ReservationService(..., conn=)), whatever its search_path:
 -- `SET search_path FROM CURRENT` records pgreserve's schema, as the runner sets it.
 -- p_reference and p_metadata (the reservation's, NULL: none) came later, with
--- defaults: the signature before them is dropped, so a call in its form still
--- resolves to this one function.
-DROP FUNCTION IF EXISTS reserve_v1(bigint, text, text, text[], text[], integer[], interval,
-                                   timestamptz);
+-- defaults, so a call without them still resolves to this one function
+-- (migration 0007 dropped the signature without them).
 CREATE OR REPLACE FUNCTION reserve_v1(p_tenant bigint, p_key text, p_digest text,
                            p_skus text[], p_locations text[], p_quantities integer[],
                            p_ttl interval, p_now timestamptz DEFAULT NULL,

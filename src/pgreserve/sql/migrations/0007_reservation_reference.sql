@@ -17,3 +17,11 @@ CREATE INDEX reservation_list_idx ON reservation (tenant_id, created_at, reserva
 CREATE INDEX reservation_reference_idx
     ON reservation (tenant_id, reference, created_at, reservation_id)
     WHERE reference IS NOT NULL;
+
+-- reserve_v1 and bucket_batch_v1 took the reference and metadata as new last
+-- arguments with defaults (sql/functions/): their signatures without them go, so a
+-- call in the older form resolves to the one function that has them.
+DROP FUNCTION IF EXISTS reserve_v1(bigint, text, text, text[], text[], integer[], interval,
+                                   timestamptz);
+DROP FUNCTION IF EXISTS bucket_batch_v1(bigint, bigint, text[], text[], text[], integer[],
+                                        interval[], uuid[], timestamptz);
