@@ -75,8 +75,9 @@ METADATA_RULES = (f"at most {MAX_METADATA_KEYS} keys of 1 to {MAX_METADATA_KEY} 
 # publishes them.
 Metadata = Annotated[dict[str, Any], AfterValidator(validation.metadata), WithJsonSchema({
     "type": "object", "maxProperties": MAX_METADATA_KEYS,
-    "propertyNames": {"minLength": 1, "maxLength": MAX_METADATA_KEY},
-    "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE},
+    "propertyNames": {"minLength": 1, "maxLength": MAX_METADATA_KEY, "pattern": r"^[^\x00]+$"},
+    "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE,
+                             "pattern": r"^[^\x00]*$"},
 })]
 
 
