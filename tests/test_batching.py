@@ -631,3 +631,39 @@ async def test_a_hot_bucket_hands_its_session_back_when_others_wait(dsn: str,
         assert order == ["h1", "c1", "h2"]
         assert db.stats.busy == 0
         assert await service.invariant_violations() == []
+
+
+async def test_a_sold_out_batch_answers_without_waiting_for_the_bucket_row(
+        db: Database, tenant: Tenant, service: ReservationService, strategy: str) -> None:
+    """At a plainly sold-out bucket (nothing free, no pool unit, no hold past its expiry) a
+    batch of reserves is refused while another transaction holds the bucket row, and the
+    refusals are stored; with a unit free the same batch waits for the row instead."""
+    from datetime import timedelta
+
+    await service.set_stock(tenant.id, "s", "w", 1, strategy=strategy)
+    assert (await service.reserve(tenant.id, "last", [("s", "w", 1)])).held
+    bucket = await bucket_id(db, tenant.id, "s")
+    combiner = Combiner(db)
+    ttl = timedelta(minutes=5)
+    with bucket_locked(db.conninfo, bucket) as blocker:
+        answers = await asyncio.wait_for(asyncio.gather(*(
+            combiner.submit(tenant.id, bucket, BatchRequest(
+                "reserve", key=f"late{i}", digest=f"d{i}", quantity=1, ttl=ttl))
+            for i in range(5))), timeout=60)
+        blocker.rollback()
+    assert [a["ok"]["status"] for a in answers] == ["rejected"] * 5
+    assert all(a["ok"]["short_lines"][0]["available"] == 0 for a in answers)
+    stored = await db.fetch("SELECT count(*) FROM request_ledger WHERE tenant_id = %s"
+                            " AND request_key LIKE 'late%%' AND status = 'rejected'",
+                            (tenant.id,))
+    assert stored[0][0] == 5
+
+    await service.set_stock(tenant.id, "s", "w", 2, strategy=strategy)  # one unit free again
+    with bucket_locked(db.conninfo, bucket) as blocker:
+        waiting = asyncio.create_task(combiner.submit(tenant.id, bucket, BatchRequest(
+            "reserve", key="after", digest="d", quantity=1, ttl=ttl)))
+        await wait_until_blocked(db.conninfo)
+        assert not waiting.done()
+        blocker.rollback()
+    assert (await waiting)["ok"]["status"] == "held"
+    assert await service.invariant_violations() == []

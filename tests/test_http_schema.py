@@ -122,7 +122,7 @@ def duplicate_lines(body: Any) -> bool:
 
 def test_stateful_links_create_then_claim_release_get(
         served: tuple[Any, dict[str, str]]) -> None:
-    """Chains along the schema's links (create -> get/claim/release/extend) never get a 5xx and match the schema."""
+    """Chains along the schema's links (create -> get/claim/release/extend/change) never get a 5xx and match the schema."""
     base_url, headers = served
 
     class Workflow(schema.as_state_machine()):  # type: ignore[misc]  # schemathesis builds the base class at run time
@@ -139,7 +139,7 @@ def test_stateful_links_create_then_claim_release_get(
 
     links = set(OPENAPI["paths"]["/v1/reservations"]["post"]["responses"]["201"]["links"])
     assert links == {"GetReservation", "ClaimReservation", "ReleaseReservation",
-                     "ExtendReservation"}
+                     "ExtendReservation", "ChangeReservation"}
     Workflow.run(settings=settings(max_examples=12, stateful_step_count=6, deadline=None,
                                    derandomize=True, suppress_health_check=list(HealthCheck)))
 
@@ -161,6 +161,7 @@ def test_operation_ids_are_stable_camel_case_names() -> None:
         ("post", "/v1/reservations/{reservation_id}/claim"): "claimReservation",
         ("post", "/v1/reservations/{reservation_id}/release"): "releaseReservation",
         ("post", "/v1/reservations/{reservation_id}/extend"): "extendReservation",
+        ("put", "/v1/reservations/{reservation_id}/lines"): "changeReservation",
         ("get", "/v1/events"): "listEvents",
         ("get", "/v1/webhooks"): "listWebhooks",
         ("post", "/v1/webhooks"): "createWebhook",

@@ -556,3 +556,23 @@ async def test_openapi_shows_reference_metadata_and_the_listing(api: ApiTenant) 
     ok = listing["responses"]["200"]["content"]["application/json"]["schema"]
     assert ok["$ref"].endswith("/ReservationPageOut")
     assert {"400", "422"} <= set(listing["responses"])
+
+
+async def test_a_changed_cart_keeps_its_reference_and_metadata(
+        service: ReservationService, tenant: Tenant) -> None:
+    """Changing a held cart keeps the reservation's reference and metadata in the change's
+    answer, in GET and in the listing by cart."""
+    for sku in ("tee", "cap"):
+        await service.set_stock(tenant.id, sku, "w", 10)
+    out = await service.reserve(tenant.id, "k", [("tee", "w", 1)], reference="cart-3",
+                                metadata=META)
+    assert out.reservation is not None
+    changed = await service.change(tenant.id, out.reservation.id,
+                                   [("tee", "w", 2), ("cap", "w", 1)], request_key="c")
+    assert changed.held and changed.reservation is not None
+    assert (changed.reservation.reference, changed.reservation.metadata) == ("cart-3", META)
+    got = await service.get_reservation(tenant.id, out.reservation.id)
+    assert (got.reference, got.metadata) == ("cart-3", META)
+    listed = await service.list_reservations(tenant.id, reference="cart-3")
+    assert [r.id for r in listed.reservations] == [out.reservation.id]
+    assert len(listed.reservations[0].lines) == 2

@@ -135,3 +135,20 @@ def test_loader_drops_the_description_and_the_last_semicolon() -> None:
             "-- name: tenant_create\nINSERT INTO tenant DEFAULT VALUES;\n")
     assert parse(text) == {"tenant_exists": "SELECT 1\nFROM tenant",
                            "tenant_create": "INSERT INTO tenant DEFAULT VALUES"}
+
+
+ORDER_BY = re.compile(r"\bORDER BY\b(.*)")
+UNCOLLATED_NAME = re.compile(r"\b(?:\w+\.)?(sku|location)\b(?!\s+COLLATE \"C\")")
+
+
+def test_every_function_orders_skus_and_locations_by_code_point() -> None:
+    """Every ORDER BY of a function that sorts by sku or location says COLLATE "C": the
+    lock order is (sku, location) in code-point order, as Python sorts a cart, also in a
+    database whose default collation (en_US.UTF-8, ICU) sorts 'B1' after 'a1'."""
+    found = []
+    for path in sorted((SRC / "sql" / "functions").glob("*.sql")):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            match = ORDER_BY.search(line.split("--")[0])
+            if match and UNCOLLATED_NAME.search(match.group(1)):
+                found.append(f"{path.name}:{number}: {line.strip()}")
+    assert found == []

@@ -200,7 +200,7 @@ _REJECTIONS = ("insufficient_stock", "cart_limit_exceeded")
 
 def _outcome(response: httpx.Response) -> ReserveOutcome:
     replayed = response.headers.get(REPLAYED_HEADER) == "true"
-    if response.status_code == 201:
+    if response.status_code in (200, 201):  # 201 reserve, 200 change
         return ReserveOutcome(True, Reservation.from_json(response.json(), replayed),
                               (), replayed)
     doc = response.json()
@@ -304,6 +304,12 @@ class _Base:
             if value is not None:
                 params.append((name, value))
         return _Call("GET", "/v1/reservations", params=tuple(params))
+
+    @staticmethod
+    def _change(reservation_id: str, lines: Iterable[Line | tuple[str, str, int]],
+                key: str | None) -> _Call:
+        return _Call("PUT", _path("v1", "reservations", reservation_id, "lines"),
+                     {"lines": _lines(lines)}, _new_key(key), ok=(200, 409))
 
     @staticmethod
     def _transition(action: str, reservation_id: str, key: str | None,
@@ -437,6 +443,12 @@ class Client(_Base):
             if page.next_cursor is None:
                 return
             cursor = page.next_cursor
+    def change(self, reservation_id: str, lines: Sequence[Line | tuple[str, str, int]], *,
+               idempotency_key: str | None = None) -> ReserveOutcome:
+        """Make an active reservation hold exactly `lines` (the whole new cart), or change
+        nothing: a short line is an outcome with held False (its short_lines), as for
+        reserve. Retried with the same key, so a lost answer is not applied twice."""
+        return _outcome(self._send(self._change(reservation_id, lines, idempotency_key)))
 
     def claim(self, reservation_id: str, *, idempotency_key: str | None = None) -> Reservation:
         return _reservation(self._send(self._transition("claim", reservation_id,
@@ -567,6 +579,13 @@ class AsyncClient(_Base):
             if page.next_cursor is None:
                 return
             cursor = page.next_cursor
+    async def change(self, reservation_id: str, lines: Sequence[Line | tuple[str, str, int]],
+                     *, idempotency_key: str | None = None) -> ReserveOutcome:
+        """Make an active reservation hold exactly `lines` (the whole new cart), or change
+        nothing: a short line is an outcome with held False (its short_lines), as for
+        reserve. Retried with the same key, so a lost answer is not applied twice."""
+        return _outcome(await self._send(self._change(reservation_id, lines,
+                                                      idempotency_key)))
 
     async def claim(self, reservation_id: str, *,
                     idempotency_key: str | None = None) -> Reservation:

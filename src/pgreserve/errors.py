@@ -114,6 +114,13 @@ class ReservationNotActive(PgReserveError):
     code = "reservation_not_active"
 
 
+class ChangeNotMirrored(PgReserveError):
+    """A change of a hold kept in the legacy Redis store (taken while its tenant's rollout
+    mode wrote Redis), which cannot change a held cart; nothing changed."""
+
+    code = "change_not_mirrored"
+
+
 class ExtendWouldShorten(PgReserveError):
     """An extend asked for an expiry sooner than the reservation's current one without
     `allow_shorten`; nothing changed."""

@@ -94,6 +94,7 @@ OPS: dict[str, Op] = {op.action: op for op in (
     Op("claim", "claim", "POST /v1/reservations/{id}/claim"),
     Op("release", "release", "POST /v1/reservations/{id}/release"),
     Op("extend", "extend", "POST /v1/reservations/{id}/extend"),
+    Op("reserve", "change", "PUT /v1/reservations/{id}/lines"),
     Op("api", "reservation_get", "GET /v1/reservations/{id}"),
     Op("api", "reservation_list", "GET /v1/reservations"),
     Op("sweeper", "expire_due", "worker/sweeper"),
@@ -635,6 +636,49 @@ class ReservationService:
             raise
         self._observe("extend", "ok", started)
         return Reservation.from_json(doc)
+
+    async def change(self, tenant: int, reservation_id: str | uuid.UUID,
+                     lines: Iterable[Any], *, request_key: str) -> ReserveOutcome:
+        """Make an active reservation hold exactly `lines` (the whole new cart), or change
+        nothing.
+
+        A line whose quantity is the same keeps its units untouched; a raised line takes
+        only the difference, a lowered one gives back only the difference, a line left
+        out is given back and a new line is taken. When a line that takes cannot be
+        served (or the new cart is over a per-cart limit, or what it takes is frozen)
+        nothing changes and the outcome is rejected, with its short lines, like a
+        reserve's. Either outcome is stored under the request key and replayed for the
+        same key and cart; the same key with another cart raises IdempotencyKeyReused.
+        The expiry stays as it is. A reservation that is not active raises
+        ReservationClaimed, ReservationReleased or ReservationNotActive (expired); an
+        empty cart raises InvalidRequest (release the reservation instead).
+        """
+        tenant = check.tenant_id(tenant)
+        key = check.request_key(request_key)
+        rid = _reservation_id(reservation_id)
+        cart = check.cart(lines)  # sorted by (sku, location)
+        fingerprint = digest("change", {
+            "id": str(rid),
+            "lines": [[line.sku, line.location, line.quantity] for line in cart],
+        })
+        started = perf_counter()
+        try:
+            doc = await self.db.call(
+                queries["reservation_change"],
+                (tenant, key, fingerprint, rid, lit.text_array(x.sku for x in cart),
+                 lit.text_array(x.location for x in cart),
+                 lit.int_array(x.quantity for x in cart), self.clock()),
+                op=OPS["change"])
+        except Exception as exc:
+            self._observe("change", _failure(exc), started)
+            raise
+        outcome = ReserveOutcome.from_json(doc)
+        # The cart may have moved to other buckets, or to several: the next claim or
+        # release looks its buckets up again (bucket_batch_v1 checks them anyway).
+        self._reservation_buckets.pop((tenant, rid), None)
+        self._observe("change", "idempotent_replay" if outcome.replayed
+                      else _reserve_label(outcome), started)
+        return outcome
 
     async def _keyed(self, tenant: int, request_key: str, operation: str,
                      reservation_id: str | uuid.UUID, ttl: timedelta | float | None,

@@ -115,6 +115,13 @@ class ReserveIn(Strict):
         f"Free-form string pairs kept with the reservation: {METADATA_RULES}"))
 
 
+class ChangeIn(Strict):
+    """The whole new cart of a held reservation: at most 100 lines, each naming a
+    different (sku, location)."""
+
+    lines: Annotated[list[LineIn], Field(min_length=1, max_length=MAX_LINES)]
+
+
 class SkuSettingsIn(Strict):
     cart_limit: Quantity | None = Field(
         description="at most this many units of the SKU in one reservation, over all its "
@@ -239,7 +246,7 @@ class WebhooksOut(BaseModel):
 
 class RequestOut(BaseModel):
     key: str
-    operation: Literal["reserve", "claim", "release", "extend", "adjust"]
+    operation: Literal["reserve", "claim", "release", "extend", "adjust", "change"]
     outcome: Literal["held", "rejected", "applied"]
     recorded_at: str
     status: int = Field(description="The HTTP status the request was answered with")

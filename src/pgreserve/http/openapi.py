@@ -27,6 +27,7 @@ PRECONDITION_PATTERNS = {
     "If-None-Match": r"^\*$",
 }
 KEYED_REQUIRED = {("post", "/v1/reservations"),
+                  ("put", "/v1/reservations/{reservation_id}/lines"),
                   ("post", "/v1/stock/{location}/{sku}/adjustments")}
 
 
@@ -43,6 +44,7 @@ OPERATION_IDS = {
     "claim": "claimReservation",
     "release": "releaseReservation",
     "extend": "extendReservation",
+    "change_lines": "changeReservation",
     "events": "listEvents",
     "list_webhooks": "listWebhooks",
     "add_webhook": "createWebhook",
@@ -97,6 +99,7 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
             ("ClaimReservation", "/v1/reservations/{reservation_id}/claim", "post"),
             ("ReleaseReservation", "/v1/reservations/{reservation_id}/release", "post"),
             ("ExtendReservation", "/v1/reservations/{reservation_id}/extend", "post"),
+            ("ChangeReservation", "/v1/reservations/{reservation_id}/lines", "put"),
         )
     }
     app.openapi_schema = schema

@@ -112,6 +112,7 @@ STATUS: dict[type[errors.PgReserveError], tuple[int, str]] = {
     errors.ReservationNotActive: (409, "Reservation is not active"),
     errors.ExtendWouldShorten: (409, "Extend would shorten the reservation"),
     errors.UnsupportedInRolloutMode: (409, "Not supported while the legacy store answers"),
+    errors.ChangeNotMirrored: (409, "Hold kept in the legacy store cannot be changed"),
     errors.Busy: (503, "Busy, retry later"),
     errors.OutcomeUnknown: (503, "Outcome unknown, retry with the same Idempotency-Key"),
     errors.DatabaseUnavailable: (503, "Database unavailable, retry later"),

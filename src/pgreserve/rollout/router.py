@@ -54,6 +54,7 @@ from ..domain import (
     Strategy,
 )
 from ..errors import (
+    ChangeNotMirrored,
     InvalidRequest,
     ReservationExpired,
     ReservationNotFound,
@@ -310,6 +311,24 @@ class Rollout:
                                   "release")
             return legacy
         return pg
+
+    # -- change ------------------------------------------------------------------
+
+    async def change(self, tenant: int, reservation_id: str | uuid.UUID,
+                     lines: Iterable[Any], *, request_key: str) -> ReserveOutcome:
+        """Change a held cart: pgreserve's alone. The legacy store cannot change a held
+        cart, so a hold kept there (taken while the tenant's mode wrote Redis: legacy,
+        shadow or primary) raises ChangeNotMirrored and nothing changes; a hold taken in
+        mode pgreserve changes as ReservationService.change does."""
+        entry = await self.modes.get(tenant)
+        if entry.redis_may_hold(utcnow()):
+            record = await self.store.record(check.tenant_id(tenant), str(reservation_id))
+            if record is not None and record.mode != Mode.PGRESERVE.value:
+                raise ChangeNotMirrored(
+                    f"reservation {reservation_id} is held in the legacy store (mode "
+                    f"{record.mode}), which cannot change a held cart")
+        return await self.service.change(tenant, reservation_id, lines,
+                                         request_key=request_key)
 
     # -- claim and release ---------------------------------------------------------
 

@@ -15,7 +15,7 @@ from .. import problems
 from ..dependencies import PathName, Service, Tenant, stored_name
 from ..models import RequestOut, reservation_doc, stock_doc
 from ..responses import COMMON, json_response
-from .reservations import reserve_response
+from .reservations import change_response, reserve_response
 
 router = APIRouter(tags=["requests"])
 
@@ -62,7 +62,8 @@ def request_doc(record: RequestRecord) -> dict[str, Any]:
     """The lookup's body: the first answer as it was sent, and the reservation now."""
     stored = record.outcome
     status, answer = _answer(record.operation, stored)
-    outcome = stored.get("status") if record.operation == "reserve" else "applied"
+    outcome = (stored.get("status") if record.operation in ("reserve", "change")
+               else "applied")
     return {
         "key": record.key,
         "operation": record.operation,
@@ -79,6 +80,9 @@ def _answer(operation: str, stored: dict[str, Any]) -> tuple[int, dict[str, Any]
     """The status and body first sent for this stored outcome (rendered the same way)."""
     if operation == "reserve":
         response = reserve_response(ReserveOutcome.from_json(stored))
+        return response.status_code, json.loads(bytes(response.body))
+    if operation == "change":
+        response = change_response(ReserveOutcome.from_json(stored))
         return response.status_code, json.loads(bytes(response.body))
     if "stock" in stored:
         return 200, stock_doc(StockView.from_json(stored["stock"]))

@@ -1,4 +1,4 @@
-"""/v1/reservations: hold a cart, read it, claim, release or extend it."""
+"""/v1/reservations: hold a cart, read it, change it, claim, release or extend it."""
 
 from __future__ import annotations
 
@@ -22,7 +22,14 @@ from ..dependencies import (
     request_key,
     stored_name,
 )
-from ..models import ExtendIn, ReservationOut, ReservationPageOut, ReserveIn, reservation_doc
+from ..models import (
+    ChangeIn,
+    ExtendIn,
+    ReservationOut,
+    ReservationPageOut,
+    ReserveIn,
+    reservation_doc,
+)
 from ..responses import COMMON, REPLAYED_HEADER, json_response
 
 router = APIRouter(tags=["reservations"])
@@ -163,3 +170,33 @@ async def extend(reservation_id: str, body: ExtendIn, caller: Authenticated,
                                                     body.ttl_seconds, request_key=key,
                                                     allow_shorten=body.allow_shorten),
         caller, idempotency_key)
+
+
+@router.put("/v1/reservations/{reservation_id}/lines", response_model=ReservationOut,
+            responses=problems.responses(400, 404, 409, 413, 423, *COMMON),
+            summary="Replace the cart of an active reservation (the whole new cart), or "
+                    "change nothing")
+async def change_lines(reservation_id: str, body: ChangeIn, caller: Authenticated,
+                       idempotency_key: KeyHeader = None) -> Response:
+    key = request_key(idempotency_key, required=True)
+    assert key is not None
+    try:
+        async with caller.keys.hold(caller.tenant, key):
+            outcome = await caller.holds.change(
+                caller.tenant, reservation_id,
+                [(x.sku, x.location, x.quantity) for x in body.lines], request_key=key)
+    except errors.PgReserveError as exc:
+        caller.metrics.http_transitions.labels("change", exc.code).inc()
+        raise
+    caller.metrics.http_transitions.labels(
+        "change", "ok" if outcome.held else outcome.reason or "rejected").inc()
+    return change_response(outcome)
+
+
+def change_response(outcome: ReserveOutcome) -> Response:
+    """200 with the reservation as changed, or the rejection a reserve would get (409
+    insufficient_stock / cart_limit_exceeded, 423 bucket_frozen / tenant_frozen)."""
+    if outcome.held:
+        assert outcome.reservation is not None
+        return json_response(200, reservation_doc(outcome.reservation), outcome.replayed)
+    return reserve_response(outcome)

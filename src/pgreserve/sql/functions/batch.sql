@@ -56,6 +56,7 @@ DECLARE
     r_bucket bigint[];
     r_qty integer[];
     r_held boolean[];
+    r_line integer[];
     -- stored outcomes by key (grows as the batch decides: a repeat replays)
     k_keys text[];
     k_ops text[];
@@ -143,25 +144,56 @@ BEGIN
         ORDER BY reservation_id, line_no
         FOR UPDATE;
         SELECT array_agg(coalesce(l.lines, 0) ORDER BY u.n), array_agg(l.bucket ORDER BY u.n),
-               array_agg(l.qty ORDER BY u.n), array_agg(l.held ORDER BY u.n)
-        INTO r_lines, r_bucket, r_qty, r_held
+               array_agg(l.qty ORDER BY u.n), array_agg(l.held ORDER BY u.n),
+               array_agg(l.line_no ORDER BY u.n)
+        INTO r_lines, r_bucket, r_qty, r_held, r_line
         FROM unnest(r_ids) WITH ORDINALITY AS u(id, n)
         LEFT JOIN LATERAL (
             SELECT count(*)::integer AS lines, min(bucket_id) AS bucket,
-                   min(quantity) AS qty, bool_or(held) AS held
+                   min(quantity) AS qty, bool_or(held) AS held, min(line_no) AS line_no
             FROM reservation_line
             WHERE tenant_id = p_tenant AND reservation_id = u.id) l ON true;
     END IF;
 
-    SELECT * INTO b FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
-    FOR NO KEY UPDATE;
-    IF NOT FOUND THEN
-        RETURN to_jsonb(array_fill('{"retry": true}'::jsonb, ARRAY[v_n]));
+    -- A batch of reserves only, at a plainly sold-out bucket, needs no bucket
+    -- lock: one statement sees, at one instant, less free than the smallest
+    -- request, no unit in the pool (a unit another batch is taking still
+    -- counts: its delete has not committed) and no hold past its expiry, as
+    -- reserve_v1's sold-out probe does. Every reserve of it is then refused
+    -- without writing the bucket row, so the sold-out batches of several
+    -- processes commit side by side instead of one after another.
+    IF p_kinds <@ ARRAY['reserve'] THEN
+        SELECT * INTO b FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
+        IF NOT FOUND THEN
+            RETURN to_jsonb(array_fill('{"retry": true}'::jsonb, ARRAY[v_n]));
+        END IF;
+        IF b.free < (SELECT min(q) FROM unnest(p_quantities) AS q) THEN
+            v_now := coalesce(p_now, clock_timestamp());
+            SELECT x.free, x.free < (SELECT min(q) FROM unnest(p_quantities) AS q)
+                   AND NOT EXISTS (SELECT 1 FROM stock_unit u
+                                   WHERE u.tenant_id = p_tenant AND u.bucket_id = p_bucket)
+                   AND NOT EXISTS (SELECT 1 FROM reservation_line l
+                                   WHERE l.tenant_id = p_tenant AND l.bucket_id = p_bucket
+                                     AND l.held AND l.expires_at <= v_now)
+            INTO v_free, v_looked
+            FROM stock_bucket x WHERE x.tenant_id = p_tenant AND x.bucket_id = p_bucket;
+        END IF;
     END IF;
-    -- the batch's instant: after its lock waits, so expiry is judged now
-    v_now := coalesce(p_now, clock_timestamp());
-    v_free := b.free;
-    v_shortfall := b.shortfall;
+    IF v_looked THEN
+        -- plainly sold out: every reserve below is refused (v_looked skips
+        -- the look, v_free is the free count of that instant)
+        v_shortfall := b.shortfall;
+    ELSE
+        SELECT * INTO b FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+        FOR NO KEY UPDATE;
+        IF NOT FOUND THEN
+            RETURN to_jsonb(array_fill('{"retry": true}'::jsonb, ARRAY[v_n]));
+        END IF;
+        -- the batch's instant: after its lock waits, so expiry is judged now
+        v_now := coalesce(p_now, clock_timestamp());
+        v_free := b.free;
+        v_shortfall := b.shortfall;
+    END IF;
 
     SELECT array_agg(request_key), array_agg(operation), array_agg(digest), array_agg(outcome)
     INTO k_keys, k_ops, k_digests, k_outcomes
@@ -284,7 +316,8 @@ BEGIN
                 'error', 'PR410', 'message', format('unknown reservation %s', p_ids[i]));
             CONTINUE;
         END IF;
-        IF r_lines[j] <> 1 OR r_bucket[j] <> p_bucket THEN
+        -- (a changed cart's one line may have another number than 1: it goes alone)
+        IF r_lines[j] <> 1 OR r_bucket[j] <> p_bucket OR r_line[j] <> 1 THEN
             v_out[i] := '{"retry": true}';
             CONTINUE;
         END IF;

@@ -83,7 +83,8 @@ BEGIN
             WHEN count(*) > 0 THEN jsonb_build_object(
                 'status', 'rejected', 'reason', 'bucket_frozen',
                 'frozen_lines', jsonb_agg(jsonb_build_object('sku', b.sku, 'location', b.location)
-                                          ORDER BY b.sku, b.location))
+                                          ORDER BY b.sku COLLATE "C",
+                                                   b.location COLLATE "C"))
             END
         FROM stock_freeze f
         LEFT JOIN stock_bucket b ON b.tenant_id = f.tenant_id AND b.bucket_id = f.bucket_id

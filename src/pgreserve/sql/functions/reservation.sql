@@ -48,7 +48,8 @@ BEGIN
                                     THEN r.expires_at END),
         'lines', (SELECT jsonb_agg(jsonb_build_object(
                       'sku', b.sku, 'location', b.location, 'quantity', l.quantity)
-                      ORDER BY l.line_no)
+                      -- the order a cart is held in (a changed cart renumbers lines)
+                      ORDER BY b.sku COLLATE "C", b.location COLLATE "C")
                   FROM reservation_line l
                   JOIN stock_bucket b ON b.tenant_id = l.tenant_id AND b.bucket_id = l.bucket_id
                   WHERE l.tenant_id = r.tenant_id AND l.reservation_id = r.reservation_id),
@@ -359,7 +360,7 @@ BEGIN
         FROM reservation_line l
         JOIN stock_bucket b ON b.tenant_id = l.tenant_id AND b.bucket_id = l.bucket_id
         WHERE l.tenant_id = p_tenant AND l.reservation_id = p_id
-        ORDER BY b.sku, b.location
+        ORDER BY b.sku COLLATE "C", b.location COLLATE "C"
         FOR UPDATE OF l
     LOOP
         IF v_line.held THEN
@@ -404,7 +405,7 @@ BEGIN
         FROM reservation_line l
         JOIN stock_bucket b ON b.tenant_id = l.tenant_id AND b.bucket_id = l.bucket_id
         WHERE l.tenant_id = p_tenant AND l.reservation_id = p_id AND l.held
-        ORDER BY b.sku, b.location
+        ORDER BY b.sku COLLATE "C", b.location COLLATE "C"
         FOR UPDATE OF l
     LOOP
         UPDATE reservation_line SET held = false
@@ -520,7 +521,8 @@ BEGIN
               ON l.tenant_id = r.tenant_id AND l.reservation_id = r.reservation_id
             JOIN stock_bucket b ON b.tenant_id = l.tenant_id AND b.bucket_id = l.bucket_id
             WHERE l.held
-            ORDER BY l.tenant_id, b.sku, b.location, l.reservation_id, l.line_no
+            ORDER BY l.tenant_id, b.sku COLLATE "C", b.location COLLATE "C", l.reservation_id,
+                     l.line_no
             FOR UPDATE OF l
         ), given_up AS (
             UPDATE reservation_line l SET held = false
@@ -537,7 +539,7 @@ BEGIN
         SELECT tenant_id, bucket_id, sum(quantity)::integer AS quantity
         FROM due
         GROUP BY tenant_id, bucket_id, sku, location
-        ORDER BY tenant_id, sku, location
+        ORDER BY tenant_id, sku COLLATE "C", location COLLATE "C"
     LOOP
         PERFORM bucket_give_back_v1(v_bucket.tenant_id, v_bucket.bucket_id, v_bucket.quantity,
                                     v_now);

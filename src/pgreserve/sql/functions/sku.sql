@@ -43,7 +43,7 @@ RETURNS jsonb LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
     SELECT jsonb_build_object(
                'status', 'rejected', 'reason', 'cart_limit_exceeded',
                'limited_lines', jsonb_agg(jsonb_build_object(
-                   'sku', sku, 'limit', lim, 'requested', total) ORDER BY sku))
+                   'sku', sku, 'limit', lim, 'requested', total) ORDER BY sku COLLATE "C"))
     FROM (SELECT sku, min(lim) AS lim, sum(q) AS total
           FROM unnest(p_skus, p_quantities, p_limits) AS u(sku, q, lim)
           GROUP BY sku) s

@@ -32,6 +32,10 @@ SELECT {}.release_v1(%s, %s, %s);
 -- name: reservation_transition_keyed_in
 SELECT {}.transition_keyed_v2(%s, %s, %s, %s, %s, %s, %s, %s);
 
+-- name: reservation_change
+-- The whole new cart of an active reservation, under a request key (change.sql).
+SELECT change_v1(%s, %s, %s, %s, %s::text[], %s::text[], %s::integer[], %s);
+
 -- name: reservation_view
 SELECT reservation_view_v1(%s, %s, coalesce(%s, clock_timestamp()));
 
