@@ -755,9 +755,9 @@ class ReservationService:
         params = {"now": self.clock(), "tenant": tenant, "reference": ref,
                   "before_created": before[0], "before_id": before[1],
                   "statuses": statuses, "limit": limit + 1}
-        rows = await self.db.fetch(
-            queries["reservation_list" if ref is None else "reservation_list_by_reference"],
-            params, op=OPS["reservation_list"])
+        sql = (queries["reservation_list"] if ref is None
+               else queries["reservation_list_by_reference"])
+        rows = await self.db.fetch(sql, params, op=OPS["reservation_list"])
         if not rows:
             await self._require_tenant(tenant)
         found = tuple(Reservation.from_json(r[2]) for r in rows[:limit])
