@@ -299,3 +299,21 @@ async def test_allocation_keeps_safety_stock_and_promises_only_units_on_hand(
     assert refused.short_lines == (ShortLine("cap", None, 1, 0),)
     assert (await service.get_stock(tenant.id, "cap", "rome")).backorder_held == 2
     assert await service.invariant_violations(tenant.id) == []
+
+
+async def test_an_allocated_cart_keeps_its_reference_and_metadata(
+        service: ReservationService, tenant: Tenant) -> None:
+    """An allocated hold keeps the shop's reference and metadata, in the answer and when
+    read back; the same key with other metadata is IdempotencyKeyReused."""
+    await stock(service, tenant, "tee", berlin=3)
+    out = await service.reserve(tenant.id, "k1", [AllocatedLine("tee", 1)],
+                                reference="cart-9", metadata={"channel": "web"})
+    assert out.reservation is not None
+    assert (out.reservation.reference, out.reservation.metadata) == ("cart-9",
+                                                                    {"channel": "web"})
+    again = await service.get_reservation(tenant.id, out.reservation.id)
+    assert (again.reference, again.metadata, again.lines) == (
+        "cart-9", {"channel": "web"}, (Line("tee", "berlin", 1),))
+    with pytest.raises(IdempotencyKeyReused):
+        await service.reserve(tenant.id, "k1", [AllocatedLine("tee", 1)],
+                              reference="cart-9", metadata={"channel": "app"})

@@ -79,7 +79,7 @@ async def test_reservation_lifecycle_claim(api: ApiTenant) -> None:
     assert doc["status"] == "active" and doc["lines"] == [
         {"sku": "s", "location": "wh", "quantity": 3}]
     assert set(doc) == {"id", "status", "created_at", "expires_at", "claimed_at",
-                        "released_at", "expired_at", "lines"}
+                        "released_at", "expired_at", "lines", "reference", "metadata"}
     got = await api.client.get(f"/v1/reservations/{doc['id']}")
     assert got.status_code == 200 and got.json() == doc
     stock = (await api.client.get("/v1/stock/wh/s")).json()

@@ -92,10 +92,11 @@ def test_api_conforms_to_its_schema(case: schemathesis.Case[Any],
 
 
 def conditional(case: schemathesis.Case[Any]) -> bool:
-    """True when the request carries a precondition header or a page cursor of GET /v1/stock."""
+    """True when the request carries a precondition header or a page cursor of GET /v1/stock
+    or GET /v1/reservations."""
     headers = {k.lower() for k in (case.headers or {})}
     return bool(headers & {"if-match", "if-none-match"}) or (
-        case.path == "/v1/stock" and "cursor" in (case.query or {}))
+        case.path in ("/v1/stock", "/v1/reservations") and "cursor" in (case.query or {}))
 
 
 def refused_webhook(body: Any) -> bool:

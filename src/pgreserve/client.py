@@ -38,6 +38,7 @@ from .domain import (
     LimitedLine,
     Line,
     Reservation,
+    ReservationPage,
     ReserveOutcome,
     ShortLine,
     SkuSettings,
@@ -234,6 +235,12 @@ def _outcome(response: httpx.Response) -> ReserveOutcome:
                           limited_lines=limited)
 
 
+def _reservation_page(doc: Mapping[str, Any]) -> ReservationPage:
+    cursor = doc.get("next_cursor")
+    return ReservationPage(tuple(Reservation.from_json(x) for x in doc["reservations"]),
+                           None if cursor is None else str(cursor))
+
+
 def _reservation(response: httpx.Response) -> Reservation:
     return Reservation.from_json(response.json(),
                                  response.headers.get(REPLAYED_HEADER) == "true")
@@ -299,10 +306,25 @@ class _Base:
 
     @staticmethod
     def _reserve(lines: Iterable[CartLine], ttl_seconds: int,
-                 key: str | None) -> _Call:
-        return _Call("POST", "/v1/reservations",
-                     {"lines": _lines(lines), "ttl_seconds": ttl_seconds}, _new_key(key),
-                     ok=(201,))
+                 key: str | None, reference: str | None = None,
+                 metadata: Mapping[str, str] | None = None) -> _Call:
+        body: dict[str, Any] = {"lines": _lines(lines), "ttl_seconds": ttl_seconds}
+        if reference is not None:
+            body["reference"] = reference
+        if metadata is not None:
+            body["metadata"] = dict(metadata)
+        return _Call("POST", "/v1/reservations", body, _new_key(key), ok=(201,))
+
+    @staticmethod
+    def _list_reservations(cart: str | None, status: Iterable[str] | str | None,
+                           limit: int | None, cursor: str | None) -> _Call:
+        statuses = [status] if isinstance(status, str) else list(status or ())
+        params = [("status", str(s)) for s in statuses]
+        for name, value in (("cart", cart), ("limit", None if limit is None else str(limit)),
+                            ("cursor", cursor)):
+            if value is not None:
+                params.append((name, value))
+        return _Call("GET", "/v1/reservations", params=tuple(params))
 
     @staticmethod
     def _change(reservation_id: str, lines: Iterable[Line | tuple[str, str, int]],
@@ -428,14 +450,37 @@ class Client(_Base):
             time.sleep(self._delay(attempt, response))
 
     def reserve(self, lines: Sequence[CartLine], *, ttl_seconds: int = 900,
-                idempotency_key: str | None = None) -> ReserveOutcome:
+                idempotency_key: str | None = None, reference: str | None = None,
+                metadata: Mapping[str, str] | None = None) -> ReserveOutcome:
         """Hold every line (sku, location, quantity) or none; a sold-out answer is an
-        outcome with held False, not an error. An AllocatedLine (or a None location) lets
-        the tenant's location priority decide; the reservation's lines say where."""
-        call = self._reserve(lines, ttl_seconds, idempotency_key)
+        outcome with held False, not an error. `reference` (the cart or order id) and
+        `metadata` (string pairs) are kept on the reservation. An AllocatedLine (or a None
+        location) lets the tenant's location priority decide; the reservation's lines say
+        where."""
+        call = self._reserve(lines, ttl_seconds, idempotency_key, reference, metadata)
         call = _Call(call.method, call.path, call.body, call.key, ok=(201, 409))
         return _outcome(self._send(call))
 
+    def list_reservations(self, *, cart: str | None = None,
+                          status: Iterable[str] | str | None = None, limit: int | None = None,
+                          cursor: str | None = None) -> ReservationPage:
+        """One page of the tenant's reservations, newest first, of one cart reference
+        and of some statuses (expired includes active holds past their expiry)."""
+        return _reservation_page(self._send(self._list_reservations(
+            cart, status, limit, cursor)).json())
+
+    def iter_reservations(self, *, cart: str | None = None,
+                          status: Iterable[str] | str | None = None,
+                          limit: int | None = None) -> Iterator[Reservation]:
+        """Every matching reservation, newest first, page after page."""
+        wanted = [status] if isinstance(status, str) else None if status is None else list(status)
+        cursor: str | None = None
+        while True:
+            page = self.list_reservations(cart=cart, status=wanted, limit=limit, cursor=cursor)
+            yield from page.reservations
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor
     def change(self, reservation_id: str, lines: Sequence[Line | tuple[str, str, int]], *,
                idempotency_key: str | None = None) -> ReserveOutcome:
         """Make an active reservation hold exactly `lines` (the whole new cart), or change
@@ -559,14 +604,35 @@ class AsyncClient(_Base):
 
     async def reserve(self, lines: Sequence[CartLine], *,
                       ttl_seconds: int = 900,
-                      idempotency_key: str | None = None) -> ReserveOutcome:
-        """Hold every line (sku, location, quantity) or none; a sold-out answer is an
-        outcome with held False, not an error. An AllocatedLine (or a None location) lets
-        the tenant's location priority decide; the reservation's lines say where."""
-        call = self._reserve(lines, ttl_seconds, idempotency_key)
+                      idempotency_key: str | None = None, reference: str | None = None,
+                      metadata: Mapping[str, str] | None = None) -> ReserveOutcome:
+        """As Client.reserve."""
+        call = self._reserve(lines, ttl_seconds, idempotency_key, reference, metadata)
         call = _Call(call.method, call.path, call.body, call.key, ok=(201, 409))
         return _outcome(await self._send(call))
 
+    async def list_reservations(self, *, cart: str | None = None,
+                                status: Iterable[str] | str | None = None,
+                                limit: int | None = None,
+                                cursor: str | None = None) -> ReservationPage:
+        """As Client.list_reservations."""
+        return _reservation_page((await self._send(self._list_reservations(
+            cart, status, limit, cursor))).json())
+
+    async def iter_reservations(self, *, cart: str | None = None,
+                                status: Iterable[str] | str | None = None,
+                                limit: int | None = None) -> AsyncIterator[Reservation]:
+        """Every matching reservation, newest first, page after page."""
+        wanted = [status] if isinstance(status, str) else None if status is None else list(status)
+        cursor: str | None = None
+        while True:
+            page = await self.list_reservations(cart=cart, status=wanted, limit=limit,
+                                                cursor=cursor)
+            for item in page.reservations:
+                yield item
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor
     async def change(self, reservation_id: str, lines: Sequence[Line | tuple[str, str, int]],
                      *, idempotency_key: str | None = None) -> ReserveOutcome:
         """Make an active reservation hold exactly `lines` (the whole new cart), or change

@@ -14,6 +14,10 @@ MAX_QUANTITY = 1_000_000
 # on_hand and a stock delta: exact as JSON numbers, and no sum of them overflows bigint
 MAX_ON_HAND = 2**53
 MAX_NAME = 200
+# a reservation's metadata: at most this many keys, of 1-40 characters, values of 0-500
+MAX_METADATA_KEYS = 50
+MAX_METADATA_KEY = 40
+MAX_METADATA_VALUE = 500
 MIN_TTL = timedelta(seconds=1)
 MAX_TTL = timedelta(hours=24)
 DEFAULT_TTL = timedelta(minutes=15)
@@ -63,6 +67,8 @@ class Reservation:
     released_at: datetime | None = None
     expired_at: datetime | None = None
     replayed: bool = False
+    reference: str | None = None  # the shop's cart or order id, given at reserve
+    metadata: dict[str, str] = field(default_factory=dict, hash=False)
 
     @classmethod
     def from_json(cls, doc: dict[str, Any], replayed: bool = False) -> Reservation:
@@ -77,6 +83,9 @@ class Reservation:
             lines=tuple(Line(x["sku"], x["location"], int(x["quantity"]),
                              int(x.get("backordered", 0))) for x in doc["lines"]),
             replayed=replayed,
+            # (documents stored before references existed have neither key)
+            reference=None if doc.get("reference") is None else str(doc["reference"]),
+            metadata={str(k): str(v) for k, v in (doc.get("metadata") or {}).items()},
         )
 
 
@@ -275,6 +284,15 @@ class StockPage:
     the last page) continues after the last of them."""
 
     stock: tuple[StockView, ...]
+    next_cursor: str | None
+
+
+@dataclass(frozen=True)
+class ReservationPage:
+    """One page of a tenant's reservations, newest first; `next_cursor` (None on the
+    last page) continues after the last of them."""
+
+    reservations: tuple[Reservation, ...]
     next_cursor: str | None
 
 

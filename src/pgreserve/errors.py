@@ -151,6 +151,14 @@ class StockPolicyUnsupported(PgReserveError):
     code = "stock_policy_unsupported"
 
 
+class UnsupportedInRolloutMode(PgReserveError):
+    """Asked for what the legacy Redis store cannot keep (a reservation's reference or
+    metadata, the reservation listing) while Redis answers for the tenant (rollout modes
+    legacy and shadow); nothing was done."""
+
+    code = "unsupported_in_rollout_mode"
+
+
 class Busy(PgReserveError):
     """The work could not be started or finished in time (no connection free before the
     deadline, a lock or statement timeout, retries ran out) and nothing was committed:

@@ -14,6 +14,9 @@ from urllib.parse import urlsplit
 from .domain import (
     MAX_AVAILABILITY_NAMES,
     MAX_LINES,
+    MAX_METADATA_KEY,
+    MAX_METADATA_KEYS,
+    MAX_METADATA_VALUE,
     MAX_NAME,
     MAX_QUANTITY,
     MAX_TTL,
@@ -36,6 +39,40 @@ def name(value: Any, field: str) -> str:
         raise InvalidRequest(f"{field} must not contain NUL characters", field=field)
     _encodable(value, field)
     return value
+
+
+def reference(value: Any) -> str | None:
+    """A reservation's reference (the shop's cart or order id): None, or a name."""
+    return None if value is None else name(value, "reference")
+
+
+def metadata(value: Any) -> dict[str, str]:
+    """A reservation's metadata: None (none, as {}) or an object of at most
+    MAX_METADATA_KEYS keys of 1-MAX_METADATA_KEY characters, each value a string of at
+    most MAX_METADATA_VALUE characters (may be empty); no NUL, valid Unicode."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidRequest("metadata must be an object of string keys and string values",
+                             field="metadata")
+    if len(value) > MAX_METADATA_KEYS:
+        raise InvalidRequest(f"metadata has at most {MAX_METADATA_KEYS} keys",
+                             field="metadata")
+    out: dict[str, str] = {}
+    for key, item in value.items():
+        if not isinstance(key, str) or not 1 <= len(key) <= MAX_METADATA_KEY:
+            raise InvalidRequest(f"metadata keys must be strings of 1 to {MAX_METADATA_KEY} "
+                                 f"characters", field="metadata")
+        if "\x00" in key:
+            raise InvalidRequest("metadata keys must not contain NUL characters",
+                                 field="metadata")
+        _encodable(key, "metadata")
+        if not isinstance(item, str) or len(item) > MAX_METADATA_VALUE:
+            raise InvalidRequest(f"metadata value of {key!r} must be a string of at most "
+                                 f"{MAX_METADATA_VALUE} characters", field="metadata")
+        text(item, "metadata", MAX_METADATA_VALUE)
+        out[key] = item
+    return out
 
 
 def names(values: Any, field: str, most: int = MAX_AVAILABILITY_NAMES) -> list[str]:

@@ -22,6 +22,7 @@ unbatched calls do.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -68,6 +69,8 @@ class BatchRequest:
     quantity: int | None = None
     ttl: timedelta | None = None
     reservation_id: uuid.UUID | None = None
+    reference: str | None = None  # a reserve's reference and metadata (None: none)
+    metadata: dict[str, str] | None = None
 
 
 @dataclass
@@ -229,7 +232,8 @@ class Combiner:
                                         for r in requests),
                 lit.nullable_text_array(None if r.reservation_id is None
                                         else str(r.reservation_id) for r in requests),
-                self.clock()), op=BATCH_OP, session=session, deadline=_earliest(batch))
+                self.clock(), *_references(requests)),
+                op=BATCH_OP, session=session, deadline=_earliest(batch))
         except (errors.Busy, errors.OutcomeUnknown) as exc:
             # shared by every request of the batch: each resolves it by its key
             _fail(batch, exc)
@@ -258,6 +262,16 @@ class Combiner:
 def _late_busy() -> errors.Busy:
     return errors.Busy("the request deadline passed while it waited for its bucket's "
                        "batch; it was not sent, retry later")
+
+
+def _references(requests: Sequence[BatchRequest]) -> tuple[str | None, str | None]:
+    """The batch's references and metadata as arrays, or NULLs when no request has any
+    (the common case: nothing more to send)."""
+    if not any(r.reference is not None or r.metadata for r in requests):
+        return None, None
+    return (lit.nullable_text_array(r.reference for r in requests),
+            lit.nullable_text_array(json.dumps(r.metadata) if r.metadata else None
+                                    for r in requests))
 
 
 def _earliest(batch: Sequence[_Pending] | deque[_Pending]) -> float | None:

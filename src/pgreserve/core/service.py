@@ -17,7 +17,7 @@ import secrets
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from time import perf_counter
 from typing import Any, Literal, LiteralString, Protocol, cast
 
@@ -42,8 +42,10 @@ from ..domain import (
     Line,
     RequestRecord,
     Reservation,
+    ReservationPage,
     ReserveOutcome,
     SkuSettings,
+    Status,
     StockPage,
     StockView,
     Strategy,
@@ -108,6 +110,7 @@ OPS: dict[str, Op] = {op.action: op for op in (
     Op("extend", "extend", "POST /v1/reservations/{id}/extend"),
     Op("reserve", "change", "PUT /v1/reservations/{id}/lines"),
     Op("api", "reservation_get", "GET /v1/reservations/{id}"),
+    Op("api", "reservation_list", "GET /v1/reservations"),
     Op("sweeper", "expire_due", "worker/sweeper"),
     Op("replenisher", "refill_candidates", "worker/replenisher"),
     Op("replenisher", "refill", "worker/replenisher"),
@@ -139,6 +142,22 @@ def digest(operation: str, params: dict[str, Any]) -> str:
     """A stable fingerprint of a request's parameters, stored with its key."""
     canonical = json.dumps({"op": operation, **params}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def reserve_digest(cart: Iterable[Line], life: timedelta, reference: str | None = None,
+                   metadata: dict[str, str] | None = None) -> str:
+    """The fingerprint of a reserve: its sorted cart, time to live, reference and metadata.
+    (reference and metadata are named only when given: a key stored before they existed
+    still matches the same cart without them)"""
+    params: dict[str, Any] = {
+        "lines": [[line.sku, line.location, line.quantity] for line in cart],
+        "ttl_ms": int(life.total_seconds() * 1000),
+    }
+    if reference is not None:
+        params["reference"] = reference
+    if metadata:
+        params["metadata"] = metadata
+    return digest("reserve", params)
 
 
 DEFAULT_STOCK_PAGE = 100
@@ -198,6 +217,67 @@ def stock_cursor_position(cursor: str) -> tuple[str, str]:
         return check.name(doc[0], "sku"), check.name(doc[1], "location")
     except InvalidRequest:
         raise bad from None
+
+
+DEFAULT_RESERVATION_PAGE = 50
+MAX_RESERVATION_PAGE = 200
+_RESERVATION_CURSOR_PREFIX = "r1."
+# before every reservation: the first page's position (newest first)
+_NEWEST = (datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC),
+           uuid.UUID("ffffffff-ffff-ffff-ffff-ffffffffffff"))
+
+
+def reservation_cursor(created_at: datetime, reservation_id: str | uuid.UUID) -> str:
+    """The opaque cursor that continues a reservation listing after this reservation."""
+    raw = json.dumps([created_at.isoformat(), str(reservation_id)],
+                     separators=(",", ":")).encode()
+    return _RESERVATION_CURSOR_PREFIX + base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def reservation_cursor_position(cursor: Any) -> tuple[datetime, uuid.UUID]:
+    """The (created_at, id) a reservation cursor continues after; InvalidCursor if it is
+    not one that reservation_cursor made."""
+    bad = InvalidCursor("cursor must be a next_cursor returned by the reservation listing",
+                        field="cursor")
+    if not isinstance(cursor, str) or not cursor.startswith(_RESERVATION_CURSOR_PREFIX):
+        raise bad
+    body = cursor[len(_RESERVATION_CURSOR_PREFIX):]
+    try:
+        doc = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode())
+        if (not isinstance(doc, list) or len(doc) != 2
+                or not all(isinstance(x, str) for x in doc)):
+            raise bad
+        created_at, rid = datetime.fromisoformat(doc[0]), uuid.UUID(doc[1])
+    except (ValueError, binascii.Error, UnicodeDecodeError):
+        raise bad from None
+    if created_at.tzinfo is None:
+        raise bad
+    return created_at, rid
+
+
+def reservation_statuses(values: Any) -> list[str] | None:
+    """The statuses a listing is narrowed to (None: every status), each one of
+    active, claimed, released or expired; repeats dropped."""
+    if values is None:
+        return None
+    if isinstance(values, (str, Status)):
+        values = [values]
+    if not isinstance(values, Iterable):
+        raise InvalidRequest("status must be a list of statuses", field="status")
+    wanted: list[str] = []
+    for value in values:
+        try:
+            status = Status(value).value
+        except ValueError:
+            raise InvalidRequest(
+                f"status must be one of {', '.join(s.value for s in Status)}, not {value!r}",
+                field="status") from None
+        if status not in wanted:
+            wanted.append(status)
+    if not wanted:
+        raise InvalidRequest("name at least one status, or none to list every status",
+                             field="status")
+    return sorted(wanted)
 
 
 def _reservation_id(value: Any) -> uuid.UUID:
@@ -479,12 +559,19 @@ class ReservationService:
 
     async def reserve(self, tenant: int, request_key: str, lines: Iterable[Any], *,
                       ttl: timedelta | float = DEFAULT_TTL,
-                      conn: psycopg.AsyncConnection[Any] | None = None) -> ReserveOutcome:
+                      conn: psycopg.AsyncConnection[Any] | None = None,
+                      reference: str | None = None,
+                      metadata: dict[str, str] | None = None) -> ReserveOutcome:
         """Hold every line of a cart, or none of them.
 
         The outcome (held or rejected) is stored under the request key: the
         same key with the same cart returns it again without taking stock; the
-        same key with another cart raises IdempotencyKeyReused.
+        same key with another cart (or another reference or metadata) raises
+        IdempotencyKeyReused.
+
+        `reference` (the shop's cart or order id) and `metadata` (string pairs, see
+        validation.metadata) are kept on the reservation; absent, the reservation
+        shows reference None and metadata {}.
 
         `conn`: run it on this connection, inside its open transaction (see
         `_call`): the hold commits or rolls back with the caller's own writes.
@@ -493,17 +580,16 @@ class ReservationService:
         key = check.request_key(request_key)
         lines = check.line_list(lines)
         if check.allocates(lines):
-            return await self._reserve_allocated(tenant, key, lines, ttl, conn)
+            return await self._reserve_allocated(tenant, key, lines, ttl, conn, reference,
+                                                 metadata)
         cart = check.cart(lines)  # sorted by (sku, location): the lock order
         life = check.ttl(ttl)
-        fingerprint = digest("reserve", {
-            "lines": [[line.sku, line.location, line.quantity] for line in cart],
-            "ttl_ms": int(life.total_seconds() * 1000),
-        })
+        ref, meta = check.reference(reference), check.metadata(metadata)
+        fingerprint = reserve_digest(cart, life, ref, meta)
         started = perf_counter()
         if conn is None and self.combiner is not None and len(cart) == 1:
             outcome = await self._reserve_batched(tenant, key, fingerprint, cart[0], life,
-                                                  started)
+                                                  started, ref, meta)
             if outcome is not None:
                 return outcome
         try:
@@ -511,7 +597,8 @@ class ReservationService:
                 queries["reservation_reserve"], queries["reservation_reserve_in"],
                 (tenant, key, fingerprint, lit.text_array(x.sku for x in cart),
                  lit.text_array(x.location for x in cart),
-                 lit.int_array(x.quantity for x in cart), lit.interval(life), self.clock()),
+                 lit.int_array(x.quantity for x in cart), lit.interval(life), self.clock(),
+                 ref, json.dumps(meta) if meta else None),
                 OPS["reserve"], conn)
         except Exception as exc:
             self._observe("reserve", _failure(exc), started)
@@ -523,16 +610,24 @@ class ReservationService:
 
     async def _reserve_allocated(self, tenant: int, key: str, lines: list[Any],
                                  ttl: timedelta | float,
-                                 conn: psycopg.AsyncConnection[Any] | None) -> ReserveOutcome:
+                                 conn: psycopg.AsyncConnection[Any] | None,
+                                 reference: str | None,
+                                 metadata: dict[str, str] | None) -> ReserveOutcome:
         """A cart with lines that name no location (see `reserve` and docs/api.md,
         "Allocation across locations"): never batched; one call to reserve_allocated_v1."""
         explicit, allocated = check.allocated_cart(lines)
         life = check.ttl(ttl)
-        fingerprint = digest("reserve", {
+        ref, meta = check.reference(reference), check.metadata(metadata)
+        params: dict[str, Any] = {
             "lines": [[line.sku, line.location, line.quantity] for line in explicit],
             "allocate": [[line.sku, line.quantity, line.split] for line in allocated],
             "ttl_ms": int(life.total_seconds() * 1000),
-        })
+        }
+        if ref is not None:
+            params["reference"] = ref
+        if meta:
+            params["metadata"] = meta
+        fingerprint = digest("reserve", params)
         started = perf_counter()
         try:
             doc = await self._call(
@@ -541,7 +636,8 @@ class ReservationService:
                 (tenant, key, fingerprint, [x.sku for x in explicit],
                  [x.location for x in explicit], [x.quantity for x in explicit],
                  [x.sku for x in allocated], [x.quantity for x in allocated],
-                 [x.split for x in allocated], life, self.clock()),
+                 [x.split for x in allocated], life, self.clock(), ref,
+                 json.dumps(meta) if meta else None),
                 OPS["reserve"], conn)
         except Exception as exc:
             self._observe("reserve", _failure(exc), started)
@@ -737,6 +833,35 @@ class ReservationService:
             await self._require_tenant(tenant)
             raise ReservationNotFound(f"unknown reservation {rid}")
         return Reservation.from_json(rows[0][0])
+
+    async def list_reservations(self, tenant: int, *, reference: str | None = None,
+                                status: Iterable[str] | str | None = None,
+                                limit: int = DEFAULT_RESERVATION_PAGE,
+                                after: str | None = None) -> ReservationPage:
+        """A page of the tenant's reservations, newest first (by creation, then id),
+        narrowed to one reference (cart or order id) and to statuses as the documents
+        show them (`expired` includes an active hold past its expiry).
+
+        `after` is the `next_cursor` of the previous page: a keyset position, so
+        reservations created meanwhile never make one appear twice or be skipped (they
+        are newer than the cursor and show on no later page)."""
+        tenant = check.tenant_id(tenant)
+        ref = check.reference(reference)
+        statuses = reservation_statuses(status)
+        limit = check.integer(limit, "limit", 1, MAX_RESERVATION_PAGE)
+        before = _NEWEST if after is None else reservation_cursor_position(after)
+        params = {"now": self.clock(), "tenant": tenant, "reference": ref,
+                  "before_created": before[0], "before_id": before[1],
+                  "statuses": statuses, "limit": limit + 1}
+        sql = (queries["reservation_list"] if ref is None
+               else queries["reservation_list_by_reference"])
+        rows = await self.db.fetch(sql, params, op=OPS["reservation_list"])
+        if not rows:
+            await self._require_tenant(tenant)
+        found = tuple(Reservation.from_json(r[2]) for r in rows[:limit])
+        more = len(rows) > limit
+        return ReservationPage(found, reservation_cursor(rows[limit - 1][0], rows[limit - 1][1])
+                               if more else None)
 
     async def lookup_request(self, tenant: int, request_key: str) -> RequestRecord:
         """The answer stored under a request key (reserve, or keyed claim, release, extend
@@ -993,7 +1118,9 @@ class ReservationService:
     # -- group commit (core/batching.py) ---------------------------------------
 
     async def _reserve_batched(self, tenant: int, key: str, fingerprint: str, line: Line,
-                               life: timedelta, started: float) -> ReserveOutcome | None:
+                               life: timedelta, started: float, reference: str | None = None,
+                               metadata: dict[str, str] | None = None
+                               ) -> ReserveOutcome | None:
         """A one-line reserve through its bucket's combiner; None: send it unbatched."""
         combiner = self.combiner
         if combiner is None:
@@ -1003,7 +1130,8 @@ class ReservationService:
             return None  # the unbatched call says what is unknown
         try:
             doc = _batch_answer(await combiner.submit(tenant, bucket, BatchRequest(
-                "reserve", key=key, digest=fingerprint, quantity=line.quantity, ttl=life)))
+                "reserve", key=key, digest=fingerprint, quantity=line.quantity, ttl=life,
+                reference=reference, metadata=metadata or None)))
         except Exception as exc:
             self._observe("reserve", _failure(exc), started)
             raise

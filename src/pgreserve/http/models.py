@@ -13,10 +13,22 @@ from pydantic import (
     Field,
     StrictBool,
     StrictStr,
+    WithJsonSchema,
     model_validator,
 )
 
-from ..domain import MAX_LINES, MAX_NAME, MAX_QUANTITY, Reservation, StockView, Webhook
+from .. import validation
+from ..domain import (
+    MAX_LINES,
+    MAX_METADATA_KEY,
+    MAX_METADATA_KEYS,
+    MAX_METADATA_VALUE,
+    MAX_NAME,
+    MAX_QUANTITY,
+    Reservation,
+    StockView,
+    Webhook,
+)
 from ..validation import URL_PATTERN
 
 MAX_TTL_SECONDS = 24 * 3600
@@ -61,6 +73,18 @@ Reason = Annotated[StrictStr, Field(max_length=MAX_NAME, pattern=r"^[^\x00]*$"),
 # A location priority: at most 100 names, none twice (the service refuses a repeat).
 LocationNames = Annotated[list[Name], Field(max_length=MAX_LINES,
                                             json_schema_extra={"uniqueItems": True})]
+
+
+METADATA_RULES = (f"at most {MAX_METADATA_KEYS} keys of 1 to {MAX_METADATA_KEY} characters, "
+                  f"each value a string of at most {MAX_METADATA_VALUE} characters")
+# The rules are validation.metadata's (its message names the one broken); the schema
+# publishes them.
+Metadata = Annotated[dict[str, Any], AfterValidator(validation.metadata), WithJsonSchema({
+    "type": "object", "maxProperties": MAX_METADATA_KEYS,
+    "propertyNames": {"minLength": 1, "maxLength": MAX_METADATA_KEY, "pattern": r"^[^\x00]+$"},
+    "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE,
+                             "pattern": r"^[^\x00]*$"},
+})]
 
 
 class Strict(BaseModel):
@@ -117,6 +141,11 @@ class ReserveIn(Strict):
 
     lines: Annotated[list[ReserveLineIn], Field(min_length=1, max_length=MAX_LINES)]
     ttl_seconds: TtlSeconds = 900
+    reference: Name | None = Field(default=None, description=(
+        "The shop's cart or order id (1 to 200 characters); list by it with "
+        "GET /v1/reservations?cart=..."))
+    metadata: Metadata | None = Field(default=None, description=(
+        f"Free-form string pairs kept with the reservation: {METADATA_RULES}"))
 
 
 class ChangeIn(Strict):
@@ -238,6 +267,14 @@ class ReservationOut(BaseModel):
     released_at: str | None
     expired_at: str | None
     lines: list[LineOut]
+    reference: str | None = Field(description="given at reserve; null when none was")
+    metadata: dict[str, str] = Field(description="given at reserve; {} when none was")
+
+
+class ReservationPageOut(BaseModel):
+    reservations: list[ReservationOut] = Field(description="newest first")
+    next_cursor: str | None = Field(description=(
+        "Pass as cursor for the next page; null on the last page"))
 
 
 class EventOut(BaseModel):
@@ -314,6 +351,8 @@ def reservation_doc(r: Reservation) -> dict[str, Any]:
         "lines": [{"sku": x.sku, "location": x.location, "quantity": x.quantity,
                    **({"backordered": x.backordered} if x.backordered else {})}
                   for x in r.lines],
+        "reference": r.reference,
+        "metadata": r.metadata,
     }
 
 

@@ -40,6 +40,7 @@ OPERATION_IDS = {
     "list_stock": "listStock",
     "reserve": "createReservation",
     "get_reservation": "getReservation",
+    "list_reservations": "listReservations",
     "claim": "claimReservation",
     "release": "releaseReservation",
     "extend": "extendReservation",

@@ -112,6 +112,7 @@ STATUS: dict[type[errors.PgReserveError], tuple[int, str]] = {
     errors.ReservationExpired: (409, "Reservation expired"),
     errors.ReservationNotActive: (409, "Reservation is not active"),
     errors.ExtendWouldShorten: (409, "Extend would shorten the reservation"),
+    errors.UnsupportedInRolloutMode: (409, "Not supported while the legacy store answers"),
     errors.ChangeNotMirrored: (409, "Hold kept in the legacy store cannot be changed"),
     errors.BackorderedHoldUnchangeable: (409, "Hold with backordered units cannot be changed"),
     errors.StockPolicyUnsupported: (409, "Stock policy not supported in this rollout mode"),
@@ -293,7 +294,8 @@ _DESCRIPTIONS = {
     404: "Not found (unknown_stock, reservation_not_found, webhook_not_found, "
          "request_not_found)",
     409: "Conflict with the current state (insufficient_stock and cart_limit_exceeded are "
-         "stored under the key)",
+         "stored under the key; unsupported_in_rollout_mode: the legacy store answers for "
+         "the tenant)",
     412: "Precondition failed (precondition_failed): If-Match or If-None-Match did not "
          "hold; nothing was written",
     413: "Request body too large",

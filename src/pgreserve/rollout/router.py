@@ -34,7 +34,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from .. import validation as check
-from ..core.service import IfMatch, ReservationService, digest
+from ..core.service import (
+    DEFAULT_RESERVATION_PAGE,
+    IfMatch,
+    ReservationService,
+    reserve_digest,
+)
 from ..db.database import Op
 from ..db.queries import queries
 from ..domain import (
@@ -42,6 +47,7 @@ from ..domain import (
     MIN_TTL,
     Line,
     Reservation,
+    ReservationPage,
     ReserveOutcome,
     Status,
     StockView,
@@ -55,6 +61,7 @@ from ..errors import (
     ReservationNotFound,
     ReservationReleased,
     StockPolicyUnsupported,
+    UnsupportedInRolloutMode,
 )
 from .comparison import (
     Comparison,
@@ -187,11 +194,16 @@ class Rollout:
     # -- reserve -----------------------------------------------------------------
 
     async def reserve(self, tenant: int, request_key: str, lines: Iterable[Any], *,
-                      ttl: timedelta | float = DEFAULT_TTL) -> ReserveOutcome:
-        """Hold every line of a cart, or none, in the store(s) of the tenant's mode."""
+                      ttl: timedelta | float = DEFAULT_TTL, reference: str | None = None,
+                      metadata: dict[str, str] | None = None) -> ReserveOutcome:
+        """Hold every line of a cart, or none, in the store(s) of the tenant's mode.
+
+        Redis keeps no reference or metadata: while it answers (legacy, shadow), a
+        reserve that gives either raises UnsupportedInRolloutMode."""
         mode = (await self.modes.get(tenant)).mode
         if mode is Mode.PGRESERVE:
-            return await self.service.reserve(tenant, request_key, lines, ttl=ttl)
+            return await self.service.reserve(tenant, request_key, lines, ttl=ttl,
+                                              reference=reference, metadata=metadata)
         tenant = check.tenant_id(tenant)
         key = check.request_key(request_key)
         lines = check.line_list(lines)
@@ -203,16 +215,19 @@ class Rollout:
                 f"mode {mode.value}); name each line's location", mode=mode.value)
         cart = check.cart(lines)
         life = check.ttl(ttl)
-        fingerprint = digest("reserve", {
-            "lines": [[x.sku, x.location, x.quantity] for x in cart],
-            "ttl_ms": int(life.total_seconds() * 1000)})
+        ref, meta = check.reference(reference), check.metadata(metadata)
+        if mode.answers_from_redis and (ref is not None or meta):
+            raise UnsupportedInRolloutMode(
+                f"the tenant is in rollout mode {mode.value}: the legacy store answers and "
+                "keeps no reference or metadata")
+        fingerprint = reserve_digest(cart, life, ref, meta)
         self.recorder.request(tenant)
         if mode is Mode.LEGACY:
             return await self.store.reserve(tenant, key, fingerprint, cart, life)
         async with self.locks.hold(tenant, cart):
             if mode is Mode.SHADOW:
                 return await self._reserve_shadow(tenant, key, fingerprint, cart, life)
-            return await self._reserve_primary(tenant, key, fingerprint, cart, life)
+            return await self._reserve_primary(tenant, key, fingerprint, cart, life, ref, meta)
 
     async def _reserve_shadow(self, tenant: int, key: str, fingerprint: str,
                               cart: list[Line], life: timedelta) -> ReserveOutcome:
@@ -275,9 +290,11 @@ class Rollout:
         return pg, reserve_outcome(pg), _ms(started)
 
     async def _reserve_primary(self, tenant: int, key: str, fingerprint: str,
-                               cart: list[Line], life: timedelta) -> ReserveOutcome:
+                               cart: list[Line], life: timedelta, reference: str | None = None,
+                               metadata: dict[str, str] | None = None) -> ReserveOutcome:
         started = perf_counter()
-        pg = await self.service.reserve(tenant, key, cart, ttl=life)  # its failure is the caller's
+        pg = await self.service.reserve(tenant, key, cart, ttl=life, reference=reference,
+                                        metadata=metadata)  # its failure is the caller's
         pg_ms = _ms(started)
         hold_id = _rid(pg) if pg.held else None
         started = perf_counter()
@@ -351,6 +368,21 @@ class Rollout:
             if record is not None and Mode(record.mode).answers_from_redis:
                 return record.reservation()
         return await self.service.get_reservation(tenant, reservation_id)
+
+    async def list_reservations(self, tenant: int, *, reference: str | None = None,
+                                status: Iterable[str] | str | None = None,
+                                limit: int = DEFAULT_RESERVATION_PAGE,
+                                after: str | None = None) -> ReservationPage:
+        """pgreserve's reservations of the tenant (ReservationService.list_reservations);
+        while Redis answers (legacy, shadow) the caller's holds are Redis's, so the
+        listing raises UnsupportedInRolloutMode."""
+        mode = (await self.modes.get(check.tenant_id(tenant))).mode
+        if mode.answers_from_redis:
+            raise UnsupportedInRolloutMode(
+                f"the tenant is in rollout mode {mode.value}: the legacy store answers, "
+                "and reservations are listed from pgreserve only")
+        return await self.service.list_reservations(tenant, reference=reference,
+                                                    status=status, limit=limit, after=after)
 
     async def extend(self, tenant: int, reservation_id: str | uuid.UUID,
                      ttl: timedelta | float, *, request_key: str | None = None,

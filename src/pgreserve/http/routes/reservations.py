@@ -4,15 +4,32 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
 from ... import errors
+from ...core.service import DEFAULT_RESERVATION_PAGE, MAX_RESERVATION_PAGE
 from ...domain import AllocatedLine, Reservation, ReserveOutcome
 from .. import conditional, problems
-from ..dependencies import Authenticated, Caller, Holds, KeyHeader, Tenant, request_key
-from ..models import ChangeIn, ExtendIn, ReservationOut, ReserveIn, reservation_doc
+from ..dependencies import (
+    Authenticated,
+    Caller,
+    Holds,
+    KeyHeader,
+    Tenant,
+    request_key,
+    stored_name,
+)
+from ..models import (
+    ChangeIn,
+    ExtendIn,
+    ReservationOut,
+    ReservationPageOut,
+    ReserveIn,
+    reservation_doc,
+)
 from ..responses import COMMON, REPLAYED_HEADER, json_response
 
 router = APIRouter(tags=["reservations"])
@@ -33,7 +50,7 @@ async def reserve(body: ReserveIn, caller: Authenticated, request: Request,
         outcome = await caller.holds.reserve(
             tenant, key, [(x.sku, x.location, x.quantity) if x.location is not None
                           else AllocatedLine(x.sku, x.quantity, x.split) for x in body.lines],
-            ttl=body.ttl_seconds)
+            ttl=body.ttl_seconds, reference=body.reference, metadata=body.metadata)
     caller.metrics.http_reserve_outcomes.labels("held" if outcome.held else "rejected",
                                          str(outcome.replayed).lower()).inc()
     return reserve_response(outcome, request)
@@ -70,6 +87,33 @@ def reserve_response(outcome: ReserveOutcome, request: Request | None = None) ->
     return problems.problem_response(
         problems.InsufficientStock(f"not enough stock for {len(short)} line(s)"),
         headers=headers, short_lines=short)
+
+
+@router.get("/v1/reservations", response_model=ReservationPageOut,
+            responses=problems.responses(400, 409, *COMMON),
+            summary="This tenant's reservations, newest first, a page at a time")
+async def list_reservations(
+        tenant: Tenant, svc: Holds, request: Request,
+        cart: Annotated[str | None, Query(
+            min_length=1, max_length=200, pattern=r"^[^\x00]+$",
+            description="Only reservations with this reference (cart or order id)")] = None,
+        status: Annotated[list[Literal["active", "claimed", "released", "expired"]] | None,
+                          Query(description=(
+                              "Only these statuses, as the documents show them (expired "
+                              "includes an active hold past its expiry); repeat the "
+                              "parameter for several"))] = None,
+        limit: Annotated[int, Query(ge=1, le=MAX_RESERVATION_PAGE)] = DEFAULT_RESERVATION_PAGE,
+        cursor: Annotated[str | None, Query(
+            min_length=1, max_length=4096,
+            description="next_cursor of the previous page")] = None) -> Response:
+    for name in ("cart", "limit", "cursor"):
+        if len(request.query_params.getlist(name)) > 1:
+            raise errors.InvalidRequest(f"{name} may be given at most once", field=name)
+    page = await svc.list_reservations(
+        tenant, reference=None if cart is None else stored_name(cart, "cart"),
+        status=status, limit=limit, after=cursor)
+    return json_response(200, {"reservations": [reservation_doc(r) for r in page.reservations],
+                               "next_cursor": page.next_cursor})
 
 
 @router.get("/v1/reservations/{reservation_id}", response_model=ReservationOut,

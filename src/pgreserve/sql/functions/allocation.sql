@@ -91,7 +91,9 @@ CREATE OR REPLACE FUNCTION reserve_allocated_v1(p_tenant bigint, p_key text, p_d
                                      p_skus text[], p_locations text[],
                                      p_quantities integer[], p_alloc_skus text[],
                                      p_alloc_quantities integer[], p_splits boolean[],
-                                     p_ttl interval, p_now timestamptz DEFAULT NULL)
+                                     p_ttl interval, p_now timestamptz DEFAULT NULL,
+                                     p_reference text DEFAULT NULL,
+                                     p_metadata jsonb DEFAULT NULL)
 RETURNS jsonb LANGUAGE plpgsql
 SET enable_seqscan = off
 SET search_path FROM CURRENT
@@ -360,10 +362,13 @@ BEGIN
     v_view := jsonb_build_object(
         'id', v_id, 'status', 'active', 'created_at', v_now,
         'expires_at', v_now + p_ttl, 'claimed_at', NULL, 'released_at', NULL,
-        'expired_at', NULL, 'lines', v_lines);
+        'expired_at', NULL, 'lines', v_lines, 'reference', p_reference,
+        'metadata', coalesce(p_metadata, '{}'));
     v_outcome := jsonb_build_object('status', 'held', 'reservation', v_view);
-    INSERT INTO reservation (tenant_id, reservation_id, request_key, created_at, expires_at)
-    VALUES (p_tenant, v_id, p_key, v_now, v_now + p_ttl);
+    INSERT INTO reservation (tenant_id, reservation_id, request_key, created_at, expires_at,
+                             reference, metadata)
+    VALUES (p_tenant, v_id, p_key, v_now, v_now + p_ttl, p_reference,
+            coalesce(p_metadata, '{}'));
     INSERT INTO reservation_line (tenant_id, reservation_id, line_no, bucket_id, quantity,
                                   expires_at, backordered)
     SELECT p_tenant, v_id, ord, bucket, qty, v_now + p_ttl, bo

@@ -23,10 +23,15 @@
 -- Lock order, as everywhere: request keys (advisory, in hash order), the
 -- reservations to claim or release (by id), their lines, the bucket row, then
 -- units and the insert-only tables.
+-- p_references and p_metadata (each reserve's reference and metadata; NULL: none)
+-- came later, with defaults, so a call without them still resolves to this one
+-- function (migration 0007 dropped the signature without them).
 CREATE OR REPLACE FUNCTION bucket_batch_v1(p_tenant bigint, p_bucket bigint, p_kinds text[],
                                            p_keys text[], p_digests text[],
                                            p_quantities integer[], p_ttls interval[],
-                                           p_ids uuid[], p_now timestamptz DEFAULT NULL)
+                                           p_ids uuid[], p_now timestamptz DEFAULT NULL,
+                                           p_references text[] DEFAULT NULL,
+                                           p_metadata jsonb[] DEFAULT NULL)
 RETURNS jsonb LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
 SET enable_seqscan = off
@@ -45,6 +50,8 @@ DECLARE
     r_claimed timestamptz[];
     r_released timestamptz[];
     r_expired timestamptz[];
+    r_reference text[];
+    r_metadata jsonb[];
     r_lines integer[];
     r_bucket bigint[];
     r_qty integer[];
@@ -75,6 +82,8 @@ DECLARE
     h_qty integer[] := '{}';
     h_expires timestamptz[] := '{}';
     h_views jsonb[] := '{}';
+    h_references text[] := '{}';
+    h_metadata jsonb[] := '{}';
     l_keys text[] := '{}';
     l_ops text[] := '{}';
     l_digests text[] := '{}';
@@ -105,8 +114,9 @@ BEGIN
 
     SELECT array_agg(reservation_id), array_agg(status), array_agg(created_at),
            array_agg(expires_at), array_agg(claimed_at), array_agg(released_at),
-           array_agg(expired_at)
-    INTO r_ids, r_status, r_created, r_expires, r_claimed, r_released, r_expired
+           array_agg(expired_at), array_agg(reference), array_agg(metadata)
+    INTO r_ids, r_status, r_created, r_expires, r_claimed, r_released, r_expired,
+         r_reference, r_metadata
     FROM (SELECT * FROM reservation
           WHERE tenant_id = p_tenant
             AND reservation_id = ANY (SELECT x FROM unnest(p_ids, p_kinds) AS u(x, k)
@@ -119,8 +129,10 @@ BEGIN
     SELECT r_ids || array_agg(reservation_id), r_status || array_agg(status),
            r_created || array_agg(created_at), r_expires || array_agg(expires_at),
            r_claimed || array_agg(claimed_at), r_released || array_agg(released_at),
-           r_expired || array_agg(expired_at)
-    INTO r_ids, r_status, r_created, r_expires, r_claimed, r_released, r_expired
+           r_expired || array_agg(expired_at), r_reference || array_agg(reference),
+           r_metadata || array_agg(metadata)
+    INTO r_ids, r_status, r_created, r_expires, r_claimed, r_released, r_expired,
+         r_reference, r_metadata
     FROM (SELECT * FROM reservation
           WHERE tenant_id = p_tenant
             AND reservation_id = ANY (SELECT x FROM unnest(p_ids, p_kinds) AS u(x, k)
@@ -262,13 +274,17 @@ BEGIN
                     'expires_at', v_now + p_ttls[i], 'claimed_at', NULL, 'released_at', NULL,
                     'expired_at', NULL,
                     'lines', jsonb_build_array(jsonb_build_object(
-                        'sku', b.sku, 'location', b.location, 'quantity', v_q)));
+                        'sku', b.sku, 'location', b.location, 'quantity', v_q)),
+                    'reference', p_references[i],
+                    'metadata', coalesce(p_metadata[i], '{}'));
                 v_doc := jsonb_build_object('status', 'held', 'reservation', v_view);
                 h_ids := h_ids || v_id;
                 h_keys := h_keys || p_keys[i];
                 h_qty := h_qty || v_q;
                 h_expires := h_expires || (v_now + p_ttls[i]);
                 h_views := h_views || v_view;
+                h_references := h_references || p_references[i];
+                h_metadata := h_metadata || coalesce(p_metadata[i], '{}');
                 l_status := l_status || 'succeeded'::text;
             ELSIF v_others OR b.backorder_limit > 0 THEN
                 -- units another transaction holds may cover it, or the backorder
@@ -422,7 +438,8 @@ BEGIN
                                    CASE WHEN r_status[j] = 'active' AND r_expires[j] <= v_now
                                         THEN r_expires[j] END),
             'lines', jsonb_build_array(jsonb_build_object(
-                'sku', b.sku, 'location', b.location, 'quantity', v_q)));
+                'sku', b.sku, 'location', b.location, 'quantity', v_q)),
+            'reference', r_reference[j], 'metadata', r_metadata[j]);
         IF t_ids <> '{}' AND t_ids[cardinality(t_ids)] = p_ids[i]
            AND cardinality(t_views) < cardinality(t_ids) THEN
             t_views := t_views || v_view;
@@ -447,8 +464,10 @@ BEGIN
     IF h_ids <> '{}' THEN
         WITH held AS (
             INSERT INTO reservation (tenant_id, reservation_id, request_key, created_at,
-                                     expires_at)
-            SELECT p_tenant, id, k, v_now, e FROM unnest(h_ids, h_keys, h_expires) AS u(id, k, e)
+                                     expires_at, reference, metadata)
+            SELECT p_tenant, id, k, v_now, e, ref, meta
+            FROM unnest(h_ids, h_keys, h_expires, h_references, h_metadata)
+                 AS u(id, k, e, ref, meta)
         ), held_lines AS (
             INSERT INTO reservation_line (tenant_id, reservation_id, line_no, bucket_id,
                                           quantity, expires_at)

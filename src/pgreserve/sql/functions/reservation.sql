@@ -32,10 +32,11 @@ END $$;
 CREATE OR REPLACE TRIGGER reservation_line_held_guard BEFORE UPDATE ON reservation_line
     FOR EACH ROW EXECUTE FUNCTION reservation_line_held_guard();
 
+-- (PL/pgSQL: its body is checked when it runs, so the function files apply to a
+-- schema of any migration)
 CREATE OR REPLACE FUNCTION reservation_view_v1(p_tenant bigint, p_id uuid, p_now timestamptz)
 RETURNS jsonb LANGUAGE plpgsql STABLE AS $$
 BEGIN
-    -- plpgsql, not sql: its body names a column of a later migration (backordered).
     -- A line shows its backordered units only when it has some.
     RETURN (SELECT jsonb_build_object(
         'id', r.reservation_id,
@@ -55,7 +56,8 @@ BEGIN
                       ORDER BY b.sku COLLATE "C", b.location COLLATE "C")
                   FROM reservation_line l
                   JOIN stock_bucket b ON b.tenant_id = l.tenant_id AND b.bucket_id = l.bucket_id
-                  WHERE l.tenant_id = r.tenant_id AND l.reservation_id = r.reservation_id))
+                  WHERE l.tenant_id = r.tenant_id AND l.reservation_id = r.reservation_id),
+        'reference', r.reference, 'metadata', r.metadata)
     FROM reservation r
     WHERE r.tenant_id = p_tenant AND r.reservation_id = p_id);
 END $$;
@@ -63,9 +65,13 @@ END $$;
 -- reserve_v1, claim_v1, release_v1 and transition_keyed_v1 may run in a caller's own
 -- transaction (ReservationService(..., conn=)), whatever its search_path:
 -- `SET search_path FROM CURRENT` records pgreserve's schema, as the runner sets it.
+-- p_reference and p_metadata (the reservation's, NULL: none) came later, with
+-- defaults, so a call without them still resolves to this one function
+-- (migration 0007 dropped the signature without them).
 CREATE OR REPLACE FUNCTION reserve_v1(p_tenant bigint, p_key text, p_digest text,
                            p_skus text[], p_locations text[], p_quantities integer[],
-                           p_ttl interval, p_now timestamptz DEFAULT NULL)
+                           p_ttl interval, p_now timestamptz DEFAULT NULL,
+                           p_reference text DEFAULT NULL, p_metadata jsonb DEFAULT NULL)
 RETURNS jsonb LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
 SET enable_seqscan = off
@@ -313,7 +319,8 @@ BEGIN
         v_view := jsonb_build_object(
             'id', v_id, 'status', 'active', 'created_at', v_now,
             'expires_at', v_now + p_ttl, 'claimed_at', NULL, 'released_at', NULL,
-            'expired_at', NULL, 'lines', v_lines);
+            'expired_at', NULL, 'lines', v_lines, 'reference', p_reference,
+            'metadata', coalesce(p_metadata, '{}'));
         v_status := 'succeeded';
         v_outcome := jsonb_build_object('status', 'held', 'reservation', v_view);
         -- The hold, its lines, its event and its ledger row in one statement
@@ -321,8 +328,9 @@ BEGIN
         -- checked at its end, when the reservation row is there).
         WITH held AS (
             INSERT INTO reservation (tenant_id, reservation_id, request_key, created_at,
-                                     expires_at)
-            VALUES (p_tenant, v_id, p_key, v_now, v_now + p_ttl)
+                                     expires_at, reference, metadata)
+            VALUES (p_tenant, v_id, p_key, v_now, v_now + p_ttl, p_reference,
+                    coalesce(p_metadata, '{}'))
         ), held_lines AS (
             INSERT INTO reservation_line (tenant_id, reservation_id, line_no, bucket_id,
                                           quantity, expires_at, backordered)

@@ -2,7 +2,7 @@
 
 -- name: bucket_batch
 SELECT bucket_batch_v1(%s, %s, %s::text[], %s::text[], %s::text[], %s::integer[],
-                       %s::interval[], %s::uuid[], %s);
+                       %s::interval[], %s::uuid[], %s, %s::text[], %s::jsonb[]);
 
 -- name: bucket_id_find
 SELECT bucket_id FROM stock_bucket WHERE tenant_id = %s AND sku = %s AND location = %s;
