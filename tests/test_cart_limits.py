@@ -122,8 +122,10 @@ async def test_http_sku_limit_and_the_refusal(api: ApiTenant) -> None:
     cart_limit_exceeded with limited_lines, replayed for its key; bad limits are 422."""
     await put_stock(api, "tee", 10)
     resp = await api.client.put("/v1/skus/tee", json={"cart_limit": 2})
-    assert resp.status_code == 200 and resp.json() == {"sku": "tee", "cart_limit": 2}
-    assert (await api.client.get("/v1/skus/tee")).json() == {"sku": "tee", "cart_limit": 2}
+    assert resp.status_code == 200 and resp.json() == {"sku": "tee", "cart_limit": 2,
+                                                       "location_priority": None}
+    assert (await api.client.get("/v1/skus/tee")).json() == {"sku": "tee", "cart_limit": 2,
+                                                             "location_priority": None}
     first = await reserve(api, "k1", [("tee", "wh", 3)])
     doc = assert_problem(first, 409, "cart_limit_exceeded")
     assert doc["limited_lines"] == [{"sku": "tee", "limit": 2, "requested": 3}]
@@ -134,7 +136,7 @@ async def test_http_sku_limit_and_the_refusal(api: ApiTenant) -> None:
                 {"cart_limit": 2, "extra": 1}):
         assert_problem(await api.client.put("/v1/skus/tee", json=bad), 422, "invalid_request")
     cleared = await api.client.put("/v1/skus/tee", json={"cart_limit": None})
-    assert cleared.json() == {"sku": "tee", "cart_limit": None}
+    assert cleared.json() == {"sku": "tee", "cart_limit": None, "location_priority": None}
     assert (await reserve(api, "k3", [("tee", "wh", 3)])).status_code == 201
 
 

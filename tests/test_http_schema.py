@@ -114,10 +114,25 @@ def refused_webhook(body: Any) -> bool:
 
 
 def duplicate_lines(body: Any) -> bool:
+    """True when the cart is refused by design though schema-valid (422, documented on
+    ReserveIn and ReserveLineIn): two lines for one stock line (or two without a location for
+    one SKU), split on a line that names a location, or a SKU's line without a location
+    that could join one naming a location beyond 1,000,000 units."""
     if not isinstance(body, dict) or not isinstance(body.get("lines"), list):
         return False
-    pairs = [repr((x.get("sku"), x.get("location"))) for x in body["lines"] if isinstance(x, dict)]
-    return len(set(pairs)) < len(pairs)
+    lines = [x for x in body["lines"] if isinstance(x, dict)]
+    pairs = [repr((x.get("sku"), x.get("location"))) for x in lines]
+    if len(set(pairs)) < len(pairs):
+        return True
+    if any(x.get("split") is True and x.get("location") is not None for x in lines):
+        return True
+    def units(x: dict[str, Any]) -> float:
+        q = x.get("quantity")
+        return q if isinstance(q, (int, float)) and not isinstance(q, bool) else 0
+
+    allocated = {repr(x.get("sku")): units(x) for x in lines if x.get("location") is None}
+    return any(x.get("location") is not None and repr(x.get("sku")) in allocated
+               and units(x) + allocated[repr(x.get("sku"))] > 1_000_000 for x in lines)
 
 
 def test_stateful_links_create_then_claim_release_get(

@@ -3,6 +3,7 @@
 from .core.service import ReservationService
 from .db.database import Database, TxSettings, deadline
 from .domain import (
+    AllocatedLine,
     ApiKeyInfo,
     Freeze,
     Line,
@@ -19,6 +20,7 @@ from .errors import *  # noqa: F403  (the typed errors are part of the public AP
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllocatedLine",
     "ApiKeyInfo",
     "Database",
     "Freeze",

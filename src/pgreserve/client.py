@@ -34,6 +34,7 @@ import httpx
 
 from . import errors
 from .domain import (
+    AllocatedLine,
     LimitedLine,
     Line,
     Reservation,
@@ -45,8 +46,8 @@ from .domain import (
 )
 from .http import problems  # noqa: F401 - defines the HTTP-only error classes mapped below
 
-__all__ = ["ApiError", "AsyncClient", "Client", "LocationAvailability", "SkuAvailability", "Stock",
-           "StockPage"]
+__all__ = ["AllocatedLine", "ApiError", "AsyncClient", "CartLine", "Client",
+           "LocationAvailability", "SkuAvailability", "Stock", "StockPage"]
 
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_RETRIES = 4
@@ -191,12 +192,26 @@ def _retry_after(response: httpx.Response | None) -> float:
         return 0.0  # an HTTP date: fall back to the backoff
 
 
-def _lines(lines: Iterable[Line | tuple[str, str, int]]) -> list[dict[str, Any]]:
-    out = []
+# A cart line: (sku, location, quantity), a Line, or an AllocatedLine (no location:
+# the tenant's location priority decides; (sku, None, quantity) is one unsplit).
+CartLine = Line | AllocatedLine | tuple[str, str | None, int]
+
+
+def _lines(lines: Iterable[CartLine]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
     for line in lines:
+        if isinstance(line, AllocatedLine):
+            doc: dict[str, Any] = {"sku": line.sku, "quantity": line.quantity}
+            if line.split:
+                doc["split"] = True
+            out.append(doc)
+            continue
         sku, location, quantity = ((line.sku, line.location, line.quantity)
                                    if isinstance(line, Line) else line)
-        out.append({"sku": sku, "location": location, "quantity": quantity})
+        if location is None:
+            out.append({"sku": sku, "quantity": quantity})
+        else:
+            out.append({"sku": sku, "location": location, "quantity": quantity})
     return out
 
 
@@ -290,7 +305,7 @@ class _Base:
     # -- the calls ---------------------------------------------------------------
 
     @staticmethod
-    def _reserve(lines: Iterable[Line | tuple[str, str, int]], ttl_seconds: int,
+    def _reserve(lines: Iterable[CartLine], ttl_seconds: int,
                  key: str | None, reference: str | None = None,
                  metadata: Mapping[str, str] | None = None) -> _Call:
         body: dict[str, Any] = {"lines": _lines(lines), "ttl_seconds": ttl_seconds}
@@ -347,6 +362,15 @@ class _Base:
     @staticmethod
     def _set_cart_limit(sku: str, limit: int | None) -> _Call:
         return _Call("PUT", _path("v1", "skus", sku), {"cart_limit": limit})
+
+    @staticmethod
+    def _set_sku_priority(sku: str, locations: Iterable[str] | None) -> _Call:
+        return _Call("PUT", _path("v1", "skus", sku),
+                     {"location_priority": None if locations is None else list(locations)})
+
+    @staticmethod
+    def _set_priority(locations: Iterable[str]) -> _Call:
+        return _Call("PUT", "/v1/locations/priority", {"locations": list(locations)})
 
     @staticmethod
     def _set_stock(sku: str, location: str, on_hand: int, strategy: Strategy | str | None,
@@ -425,12 +449,14 @@ class Client(_Base):
             attempt += 1
             time.sleep(self._delay(attempt, response))
 
-    def reserve(self, lines: Sequence[Line | tuple[str, str, int]], *, ttl_seconds: int = 900,
+    def reserve(self, lines: Sequence[CartLine], *, ttl_seconds: int = 900,
                 idempotency_key: str | None = None, reference: str | None = None,
                 metadata: Mapping[str, str] | None = None) -> ReserveOutcome:
         """Hold every line (sku, location, quantity) or none; a sold-out answer is an
         outcome with held False, not an error. `reference` (the cart or order id) and
-        `metadata` (string pairs) are kept on the reservation."""
+        `metadata` (string pairs) are kept on the reservation. An AllocatedLine (or a None
+        location) lets the tenant's location priority decide; the reservation's lines say
+        where."""
         call = self._reserve(lines, ttl_seconds, idempotency_key, reference, metadata)
         call = _Call(call.method, call.path, call.body, call.key, ok=(201, 409))
         return _outcome(self._send(call))
@@ -525,6 +551,19 @@ class Client(_Base):
         """At most `limit` units of the SKU per reservation (None: no limit)."""
         return SkuSettings.from_json(self._send(self._set_cart_limit(sku, limit)).json())
 
+    def set_location_priority(self, locations: Iterable[str]) -> tuple[str, ...]:
+        """The tenant's location order for lines without a location (unnamed locations
+        follow in name order)."""
+        return tuple(self._send(self._set_priority(locations)).json()["locations"])
+
+    def location_priority(self) -> tuple[str, ...]:
+        return tuple(self._send(_Call("GET", "/v1/locations/priority")).json()["locations"])
+
+    def set_sku_location_priority(self, sku: str,
+                                  locations: Iterable[str] | None) -> SkuSettings:
+        """The SKU's own location order, in place of the tenant's (None removes it)."""
+        return SkuSettings.from_json(self._send(self._set_sku_priority(sku, locations)).json())
+
 
 class AsyncClient(_Base):
     """The HTTP API for asyncio (httpx.AsyncClient): the same calls as Client, awaited."""
@@ -563,7 +602,7 @@ class AsyncClient(_Base):
             attempt += 1
             await asyncio.sleep(self._delay(attempt, response))
 
-    async def reserve(self, lines: Sequence[Line | tuple[str, str, int]], *,
+    async def reserve(self, lines: Sequence[CartLine], *,
                       ttl_seconds: int = 900,
                       idempotency_key: str | None = None, reference: str | None = None,
                       metadata: Mapping[str, str] | None = None) -> ReserveOutcome:
@@ -666,4 +705,19 @@ class AsyncClient(_Base):
     async def set_cart_limit(self, sku: str, limit: int | None) -> SkuSettings:
         """At most `limit` units of the SKU per reservation (None: no limit)."""
         return SkuSettings.from_json((await self._send(self._set_cart_limit(sku, limit))).json())
+
+    async def set_location_priority(self, locations: Iterable[str]) -> tuple[str, ...]:
+        """The tenant's location order for lines without a location (unnamed locations
+        follow in name order)."""
+        return tuple((await self._send(self._set_priority(locations))).json()["locations"])
+
+    async def location_priority(self) -> tuple[str, ...]:
+        response = await self._send(_Call("GET", "/v1/locations/priority"))
+        return tuple(response.json()["locations"])
+
+    async def set_sku_location_priority(self, sku: str,
+                                        locations: Iterable[str] | None) -> SkuSettings:
+        """The SKU's own location order, in place of the tenant's (None removes it)."""
+        response = await self._send(self._set_sku_priority(sku, locations))
+        return SkuSettings.from_json(response.json())
 

@@ -47,6 +47,16 @@ class Line:
 
 
 @dataclass(frozen=True)
+class AllocatedLine:
+    """A cart line naming a SKU and no location: the tenant's location priority decides
+    where its units come from. Unsplit, all from one location; split, from several."""
+
+    sku: str
+    quantity: int
+    split: bool = False
+
+
+@dataclass(frozen=True)
 class Reservation:
     id: str
     status: Status
@@ -81,8 +91,11 @@ class Reservation:
 
 @dataclass(frozen=True)
 class ShortLine:
+    """A line the stock could not serve; location None: an allocated line (available is
+    the most one location had for it, or, split, the sum over its locations)."""
+
     sku: str
-    location: str
+    location: str | None
     requested: int
     available: int
 
@@ -102,11 +115,15 @@ class SkuSettings:
 
     sku: str
     cart_limit: int | None  # at most this many units of the SKU per reservation
+    # the SKU's own location order for allocation (None: the tenant's applies)
+    location_priority: tuple[str, ...] | None = None
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> SkuSettings:
         limit = doc.get("cart_limit")
-        return cls(str(doc["sku"]), None if limit is None else int(limit))
+        priority = doc.get("location_priority")
+        return cls(str(doc["sku"]), None if limit is None else int(limit),
+                   None if priority is None else tuple(str(x) for x in priority))
 
 
 @dataclass(frozen=True)

@@ -96,6 +96,14 @@ class WebhookUrlRefused(InvalidRequest):
     code = "webhook_url_refused"
 
 
+class AllocationUnavailable(InvalidRequest):
+    """A cart line without a location while the tenant's rollout mode lets the legacy
+    Redis store take part (legacy, shadow, primary): Redis cannot allocate across
+    locations. Nothing was written; name each line's location."""
+
+    code = "allocation_unavailable"
+
+
 class ReservationReleased(PgReserveError):
     code = "reservation_released"
 

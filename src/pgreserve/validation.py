@@ -21,6 +21,7 @@ from .domain import (
     MAX_QUANTITY,
     MAX_TTL,
     MIN_TTL,
+    AllocatedLine,
     Line,
     Strategy,
 )
@@ -194,6 +195,86 @@ def cart(lines: Iterable[Any]) -> list[Line]:
                 field="lines",
             )
     return parsed
+
+
+def line_list(lines: Any) -> list[Any]:
+    """The raw lines of a cart as a list (checked one by one later)."""
+    if isinstance(lines, (str, bytes)) or not isinstance(lines, Iterable):
+        raise InvalidRequest("lines must be a list", field="lines")
+    return list(lines)
+
+
+def allocates(lines: list[Any]) -> bool:
+    """Whether a line of the cart names no location (an AllocatedLine, a dict whose
+    location is absent or None, or a (sku, None, quantity) tuple)."""
+    for raw in lines:
+        if isinstance(raw, AllocatedLine):
+            return True
+        if isinstance(raw, dict) and raw.get("location") is None:
+            return True
+        if isinstance(raw, (tuple, list)) and len(raw) == 3 and raw[1] is None:
+            return True
+    return False
+
+
+def allocated_cart(lines: list[Any]) -> tuple[list[Line], list[AllocatedLine]]:
+    """Validate a cart with lines that name no location: its explicit lines sorted by
+    (sku, location) as `cart` returns them, and its allocated lines sorted by SKU, at
+    most one per SKU."""
+    explicit: list[Any] = []
+    allocated: list[AllocatedLine] = []
+    sku: Any
+    qty: Any
+    split: Any
+    for i, raw in enumerate(lines):
+        if isinstance(raw, AllocatedLine):
+            sku, qty, split = raw.sku, raw.quantity, raw.split
+        elif isinstance(raw, dict) and raw.get("location") is None:
+            unknown = set(raw) - {"sku", "location", "quantity", "split"}
+            if unknown:
+                raise InvalidRequest(f"line {i + 1} has unknown fields: {sorted(unknown)}")
+            sku, qty, split = raw.get("sku"), raw.get("quantity"), raw.get("split", False)
+        elif isinstance(raw, (tuple, list)) and len(raw) == 3 and raw[1] is None:
+            sku, qty, split = raw[0], raw[2], False
+        else:
+            if isinstance(raw, dict) and "split" in raw:
+                if raw["split"] is not False:
+                    raise InvalidRequest(f"line {i + 1} names a location: split applies only "
+                                         "to a line without one", field="split")
+                raw = {k: v for k, v in raw.items() if k != "split"}
+            explicit.append(raw)
+            continue
+        allocated.append(AllocatedLine(name(sku, "sku"), quantity(qty), flag(split, "split")))
+    if len(lines) > MAX_LINES:
+        raise InvalidRequest(f"a cart has at most {MAX_LINES} lines", field="lines")
+    fixed = cart(explicit) if explicit else []
+    allocated.sort(key=lambda line: line.sku)
+    for a, b in itertools.pairwise(allocated):
+        if a.sku == b.sku:
+            raise InvalidRequest(
+                f"two lines without a location for the same SKU ({a.sku!r}); merge them",
+                field="lines")
+    for line in allocated:
+        merged = line.quantity + max((x.quantity for x in fixed if x.sku == line.sku),
+                                     default=0)
+        if merged > MAX_QUANTITY:
+            raise InvalidRequest(
+                f"{line.sku!r}: an explicit line and the line without a location may share "
+                f"a location, at most {MAX_QUANTITY} units together", field="lines")
+    return fixed, allocated
+
+
+def locations(values: Any, field: str = "locations") -> list[str]:
+    """A location priority: at most 100 different location names, in order (may be
+    empty); a name given twice is refused (its place would be ambiguous)."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise InvalidRequest(f"{field} must be a list of location names", field=field)
+    found = [name(v, field) for v in values]
+    if len(found) > MAX_LINES:
+        raise InvalidRequest(f"{field} names at most {MAX_LINES} locations", field=field)
+    if len(set(found)) != len(found):
+        raise InvalidRequest(f"{field} names a location twice", field=field)
+    return found
 
 
 MAX_URL = 2000

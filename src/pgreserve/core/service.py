@@ -33,6 +33,7 @@ from ..domain import (
     DEFAULT_TTL,
     MAX_ON_HAND,
     MAX_QUANTITY,
+    AllocatedLine,
     ApiKeyInfo,
     Availability,
     Event,
@@ -67,6 +68,17 @@ from .batching import BatchConfig, BatchRequest, Combiner
 
 Clock = Callable[[], datetime | None]
 
+
+class Unset:
+    """The value of an optional setting that was not given (unlike None, which removes
+    it)."""
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET = Unset()
+
 SWEEP_BATCH_MAX = 500
 WEBHOOK_SECRET_PREFIX = "whsec_"  # noqa: S105 - the public prefix of generated secrets
 
@@ -88,6 +100,8 @@ OPS: dict[str, Op] = {op.action: op for op in (
     Op("api", "stock_get", "GET /v1/stock/{location}/{sku}"),
     Op("stock", "sku_limit_set", "PUT /v1/skus/{sku}"),
     Op("api", "sku_get", "GET /v1/skus/{sku}"),
+    Op("stock", "location_priority_set", "PUT /v1/locations/priority"),
+    Op("api", "location_priority_get", "GET /v1/locations/priority"),
     Op("api", "stock_list", "GET /v1/stock"),
     Op("api", "availability", "GET /v1/availability"),
     Op("reserve", "reserve", "POST /v1/reservations"),
@@ -564,6 +578,10 @@ class ReservationService:
         """
         tenant = check.tenant_id(tenant)
         key = check.request_key(request_key)
+        lines = check.line_list(lines)
+        if check.allocates(lines):
+            return await self._reserve_allocated(tenant, key, lines, ttl, conn, reference,
+                                                 metadata)
         cart = check.cart(lines)  # sorted by (sku, location): the lock order
         life = check.ttl(ttl)
         ref, meta = check.reference(reference), check.metadata(metadata)
@@ -589,6 +607,86 @@ class ReservationService:
         self._observe("reserve", "idempotent_replay" if outcome.replayed
                       else _reserve_label(outcome), started)
         return outcome
+
+    async def _reserve_allocated(self, tenant: int, key: str, lines: list[Any],
+                                 ttl: timedelta | float,
+                                 conn: psycopg.AsyncConnection[Any] | None,
+                                 reference: str | None,
+                                 metadata: dict[str, str] | None) -> ReserveOutcome:
+        """A cart with lines that name no location (see `reserve` and docs/api.md,
+        "Allocation across locations"): never batched; one call to reserve_allocated_v1."""
+        explicit, allocated = check.allocated_cart(lines)
+        life = check.ttl(ttl)
+        ref, meta = check.reference(reference), check.metadata(metadata)
+        params: dict[str, Any] = {
+            "lines": [[line.sku, line.location, line.quantity] for line in explicit],
+            "allocate": [[line.sku, line.quantity, line.split] for line in allocated],
+            "ttl_ms": int(life.total_seconds() * 1000),
+        }
+        if ref is not None:
+            params["reference"] = ref
+        if meta:
+            params["metadata"] = meta
+        fingerprint = digest("reserve", params)
+        started = perf_counter()
+        try:
+            doc = await self._call(
+                queries["reservation_reserve_allocated"],
+                queries["reservation_reserve_allocated_in"],
+                (tenant, key, fingerprint, [x.sku for x in explicit],
+                 [x.location for x in explicit], [x.quantity for x in explicit],
+                 [x.sku for x in allocated], [x.quantity for x in allocated],
+                 [x.split for x in allocated], life, self.clock(), ref,
+                 json.dumps(meta) if meta else None),
+                OPS["reserve"], conn)
+        except Exception as exc:
+            self._observe("reserve", _failure(exc), started)
+            raise
+        outcome = ReserveOutcome.from_json(doc)
+        self._observe("reserve", "idempotent_replay" if outcome.replayed
+                      else _reserve_label(outcome), started)
+        return outcome
+
+    async def set_location_priority(self, tenant: int,
+                                    locations: Iterable[str]) -> tuple[str, ...]:
+        """The tenant's location order for lines that name no location (an empty list:
+        name order). A SKU's own order (`update_sku`) replaces it for that SKU; locations
+        an order does not name come after the named ones, in name order."""
+        tenant = check.tenant_id(tenant)
+        order = check.locations(locations)
+        doc = await self.db.call(queries["location_priority_set"], (tenant, order),
+                                 op=OPS["location_priority_set"])
+        return tuple(str(x) for x in doc["locations"])
+
+    async def location_priority(self, tenant: int) -> tuple[str, ...]:
+        """The tenant's location order (empty when never set)."""
+        tenant = check.tenant_id(tenant)
+        rows = await self.db.fetch(queries["location_priority_get"], (tenant,),
+                                   op=OPS["location_priority_get"])
+        return tuple(str(x) for x in rows[0][0]["locations"])
+
+    async def update_sku(self, tenant: int, sku: str, *,
+                         cart_limit: int | Unset | None = UNSET,
+                         location_priority: Iterable[str] | Unset | None = UNSET,
+                         ) -> SkuSettings:
+        """Set what is given of a SKU's settings, in one transaction: its per-cart limit
+        (None removes it, see `set_cart_limit`) and its own location order (None removes
+        it: the tenant's applies again). Everything is checked before anything is
+        written."""
+        tenant = check.tenant_id(tenant)
+        sku = check.name(sku, "sku")
+        limit: int | None = None
+        if not isinstance(cart_limit, Unset) and cart_limit is not None:
+            limit = check.integer(cart_limit, "cart_limit", 1, MAX_QUANTITY)
+        order: list[str] | None = None
+        if not isinstance(location_priority, Unset) and location_priority is not None:
+            order = check.locations(location_priority, "location_priority")
+        doc = await self.db.call(
+            queries["sku_update"],
+            (tenant, sku, not isinstance(cart_limit, Unset), limit,
+             not isinstance(location_priority, Unset), order),
+            op=OPS["sku_limit_set"])
+        return SkuSettings.from_json(doc)
 
     async def claim(self, tenant: int, reservation_id: str | uuid.UUID, *,
                     request_key: str | None = None,
@@ -1155,4 +1253,4 @@ def _failure(exc: BaseException) -> str:
     return "error"
 
 
-__all__ = ["OPS", "Line", "ReservationService", "digest"]
+__all__ = ["OPS", "UNSET", "AllocatedLine", "Line", "ReservationService", "Unset", "digest"]

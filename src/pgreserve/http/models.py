@@ -14,6 +14,7 @@ from pydantic import (
     StrictBool,
     StrictStr,
     WithJsonSchema,
+    model_validator,
 )
 
 from .. import validation
@@ -69,6 +70,11 @@ Reason = Annotated[StrictStr, Field(max_length=MAX_NAME, pattern=r"^[^\x00]*$"),
                    AfterValidator(storable)]
 
 
+# A location priority: at most 100 names, none twice (the service refuses a repeat).
+LocationNames = Annotated[list[Name], Field(max_length=MAX_LINES,
+                                            json_schema_extra={"uniqueItems": True})]
+
+
 METADATA_RULES = (f"at most {MAX_METADATA_KEYS} keys of 1 to {MAX_METADATA_KEY} characters, "
                   f"each value a string of at most {MAX_METADATA_VALUE} characters")
 # The rules are validation.metadata's (its message names the one broken); the schema
@@ -109,10 +115,31 @@ class LineIn(Strict):
     quantity: Quantity
 
 
-class ReserveIn(Strict):
-    """A cart: at most 100 lines, each naming a different (sku, location)."""
+class ReserveLineIn(Strict):
+    """A line of a cart to hold: a SKU at a location, or a SKU without one."""
 
-    lines: Annotated[list[LineIn], Field(min_length=1, max_length=MAX_LINES)]
+    sku: Name
+    location: Name | None = Field(
+        default=None, description="absent or null: the tenant's location priority decides "
+                                  "where the units come from (at most one such line per SKU)")
+    quantity: Quantity
+    split: StrictBool = Field(
+        default=False, description="only for a line without a location: may take the units "
+                                   "from several locations, in priority order (otherwise all "
+                                   "from the first location that has them all)")
+
+    @model_validator(mode="after")
+    def _split_needs_allocation(self) -> ReserveLineIn:
+        if self.split and self.location is not None:
+            raise ValueError("split applies only to a line without a location")
+        return self
+
+
+class ReserveIn(Strict):
+    """A cart: at most 100 lines, each naming a different (sku, location), or a SKU
+    without a location."""
+
+    lines: Annotated[list[ReserveLineIn], Field(min_length=1, max_length=MAX_LINES)]
     ttl_seconds: TtlSeconds = 900
     reference: Name | None = Field(default=None, description=(
         "The shop's cart or order id (1 to 200 characters); list by it with "
@@ -129,14 +156,37 @@ class ChangeIn(Strict):
 
 
 class SkuSettingsIn(Strict):
+    """The settings to change (at least one); a setting not given stays as it is."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"minProperties": 1})
+
     cart_limit: Quantity | None = Field(
+        default=None,
         description="at most this many units of the SKU in one reservation, over all its "
                     "lines and locations; null: no limit")
+    location_priority: LocationNames | None = Field(
+        default=None,
+        description="the SKU's own location order for lines without a location, in place "
+                    "of the tenant's; null: none (the tenant's applies)")
+
+    @model_validator(mode="after")
+    def _something(self) -> SkuSettingsIn:
+        if not self.model_fields_set:
+            raise ValueError("give cart_limit, location_priority or both")
+        return self
 
 
 class SkuSettingsOut(BaseModel):
     sku: str
     cart_limit: int | None
+    location_priority: list[str] | None
+
+
+class LocationPriority(Strict):
+    """The tenant's location order for lines without a location. Locations it does not
+    name come after the named ones, in name order; an empty list: name order."""
+
+    locations: LocationNames
 
 
 class ExtendIn(Strict):

@@ -102,6 +102,7 @@ STATUS: dict[type[errors.PgReserveError], tuple[int, str]] = {
     errors.ApiKeyNotFound: (404, "API key not found"),
     errors.FreezeNotFound: (404, "Not frozen"),
     errors.WebhookUrlRefused: (422, "Webhook URL refused"),
+    errors.AllocationUnavailable: (422, "Allocation across locations unavailable"),
     errors.IdempotencyKeyReused: (422, "Idempotency-Key reused with another request"),
     errors.WouldOversell: (409, "Adjustment would oversell"),
     errors.PreconditionFailed: (412, "Precondition failed"),
@@ -149,7 +150,7 @@ def status_of(exc: errors.PgReserveError) -> tuple[int, str]:
 
 class ShortLine(BaseModel):
     sku: str
-    location: str
+    location: str | None  # null: a line without a location (allocated)
     requested: int
     available: int
 
@@ -157,6 +158,11 @@ class ShortLine(BaseModel):
 class StockRef(BaseModel):
     sku: str
     location: str
+
+
+class UnknownStockRef(BaseModel):
+    sku: str
+    location: str | None  # null: a line without a location whose SKU has no stock line
 
 
 class LimitedLine(BaseModel):
@@ -182,7 +188,7 @@ class Problem(BaseModel):
     detail: str
     code: str
     short_lines: list[ShortLine] | None = None
-    unknown_stock: list[StockRef] | None = None
+    unknown_stock: list[UnknownStockRef] | None = None
     frozen_lines: list[StockRef] | None = None
     limited_lines: list[LimitedLine] | None = None
     errors: list[FieldError] | None = None
@@ -261,10 +267,11 @@ def error_response(exc: errors.PgReserveError) -> Response:
     return problem_response(exc, unknown_stock=unknown_stock_refs(exc))
 
 
-def unknown_stock_refs(exc: errors.PgReserveError) -> list[dict[str, str]] | None:
+def unknown_stock_refs(exc: errors.PgReserveError) -> list[dict[str, str | None]] | None:
     detail = exc.details.get("detail")
     if isinstance(detail, list):
-        return [{"sku": str(d["sku"]), "location": str(d["location"])}
+        return [{"sku": str(d["sku"]),
+                 "location": None if d["location"] is None else str(d["location"])}
                 for d in detail if isinstance(d, dict) and "sku" in d and "location" in d]
     return None
 

@@ -54,6 +54,7 @@ from ..domain import (
     Strategy,
 )
 from ..errors import (
+    AllocationUnavailable,
     ChangeNotMirrored,
     InvalidRequest,
     ReservationExpired,
@@ -205,6 +206,13 @@ class Rollout:
                                               reference=reference, metadata=metadata)
         tenant = check.tenant_id(tenant)
         key = check.request_key(request_key)
+        lines = check.line_list(lines)
+        if check.allocates(lines):
+            # Redis keeps one counter per (sku, location) and mirrors each cart line as
+            # given: it cannot allocate, nor mirror an allocation before it is made.
+            raise AllocationUnavailable(
+                f"lines without a location need the tenant in mode pgreserve (it is in "
+                f"mode {mode.value}); name each line's location", mode=mode.value)
         cart = check.cart(lines)
         life = check.ttl(ttl)
         ref, meta = check.reference(reference), check.metadata(metadata)

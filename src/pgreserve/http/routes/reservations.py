@@ -11,7 +11,7 @@ from starlette.responses import Response
 
 from ... import errors
 from ...core.service import DEFAULT_RESERVATION_PAGE, MAX_RESERVATION_PAGE
-from ...domain import Reservation, ReserveOutcome
+from ...domain import AllocatedLine, Reservation, ReserveOutcome
 from .. import conditional, problems
 from ..dependencies import (
     Authenticated,
@@ -48,7 +48,8 @@ async def reserve(body: ReserveIn, caller: Authenticated, request: Request,
     tenant = caller.tenant
     async with caller.keys.hold(tenant, key):
         outcome = await caller.holds.reserve(
-            tenant, key, [(x.sku, x.location, x.quantity) for x in body.lines],
+            tenant, key, [(x.sku, x.location, x.quantity) if x.location is not None
+                          else AllocatedLine(x.sku, x.quantity, x.split) for x in body.lines],
             ttl=body.ttl_seconds, reference=body.reference, metadata=body.metadata)
     caller.metrics.http_reserve_outcomes.labels("held" if outcome.held else "rejected",
                                          str(outcome.replayed).lower()).inc()

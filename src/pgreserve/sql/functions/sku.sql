@@ -23,16 +23,20 @@ BEGIN
         SET cart_limit = excluded.cart_limit, updated_at = excluded.updated_at;
     UPDATE stock_bucket SET cart_limit = p_limit
     WHERE tenant_id = p_tenant AND sku = p_sku AND cart_limit IS DISTINCT FROM p_limit;
-    RETURN jsonb_build_object('sku', p_sku, 'cart_limit', p_limit);
+    RETURN sku_settings_v1(p_tenant, p_sku);
 END $$;
 
--- The SKU's settings (a SKU never set has none: cart_limit null).
+-- The SKU's settings (a SKU never set has none: cart_limit null), with its own
+-- location priority (sku_location_priority, migration 0010; null: none).
 CREATE OR REPLACE FUNCTION sku_settings_v1(p_tenant bigint, p_sku text) RETURNS jsonb
 LANGUAGE plpgsql STABLE AS $$
 BEGIN
     PERFORM tenant_require_v1(p_tenant);
     RETURN jsonb_build_object('sku', p_sku, 'cart_limit',
-        (SELECT cart_limit FROM sku_setting WHERE tenant_id = p_tenant AND sku = p_sku));
+        (SELECT cart_limit FROM sku_setting WHERE tenant_id = p_tenant AND sku = p_sku),
+        'location_priority',
+        (SELECT to_jsonb(locations) FROM sku_location_priority
+         WHERE tenant_id = p_tenant AND sku = p_sku));
 END $$;
 
 -- The refusal of a cart that asks more units of a SKU (summed over its lines)

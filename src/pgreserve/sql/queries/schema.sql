@@ -75,7 +75,8 @@ BEGIN
                   'reservation_line', 'request_ledger', 'stock_movement', 'outbox_event',
                   'api_key', 'webhook_endpoint', 'webhook_delivery', 'stock_freeze',
                   'rollout_mode', 'rollout_mode_change', 'rollout_comparison',
-                  'rollout_traffic', 'rollout_legacy_sale', 'sku_setting'])
+                  'rollout_traffic', 'rollout_legacy_sale', 'sku_setting',
+                  'location_priority', 'sku_location_priority'])
                OR c.relname ~ '^stock_unit_p[0-9]+$')
           -- identity and serial sequences move with their table
           AND (c.relkind <> 'S' OR NOT EXISTS (
@@ -102,6 +103,8 @@ BEGIN
               'change_v1', 'claim_v1', 'expire_due_v1', 'extend_v1', 'extend_v2', 'freeze_doc_v1', 'freeze_lift_v1',
               'freeze_lock_key_v1', 'freeze_refusal_v1', 'freeze_set_v1',
               'invariant_violations_v1', 'ledger_check_v1', 'ledger_record_v1',
+              'location_priority_get_v1', 'location_priority_of_v1',
+              'location_priority_set_v1', 'reserve_allocated_v1', 'sku_update_v1',
               'pool_refill_candidates_v1', 'pool_refill_v1', 'pool_replenish_v1',
               'pool_take_units_v1', 'pool_units_delete_v1', 'release_v1',
               'request_keys_purge_v1', 'reservation_give_back_v1',

@@ -5,3 +5,6 @@ SELECT sku_limit_set_v1(%s, %s, %s);
 
 -- name: sku_settings
 SELECT sku_settings_v1(%s, %s);
+
+-- name: sku_update
+SELECT sku_update_v1(%s, %s, %s, %s, %s, %s::text[]);
