@@ -263,3 +263,38 @@ async def test_a_hold_with_backordered_units_cannot_be_changed(
     assert changed.held and changed.reservation is not None
     assert [(x.quantity, x.backordered) for x in changed.reservation.lines] == [(2, 0)]
     assert await svc.invariant_violations() == []
+
+
+async def test_a_change_takes_what_stock_lacks_from_the_allowance(
+        db: Database, tenant: Tenant, strategy: str, dsn: str) -> None:
+    """A change raising a line past what is free, and one adding a line, take the rest from
+    the backorder allowance as a reserve does (the lines say how much); once the allowance
+    is spent a raise is refused with what the line could have had, allowance included."""
+    svc = ReservationService(db, batching=False)
+    await svc.set_stock(tenant.id, "tee", "w", 2, strategy=strategy, backorder_limit=3)
+    await svc.set_stock(tenant.id, "cap", "w", 0, strategy=strategy, backorder_limit=1)
+    held = await svc.reserve(tenant.id, "k1", [("tee", "w", 2)])
+    assert held.reservation is not None
+    rid = held.reservation.id
+    out = await svc.change(tenant.id, rid, [("cap", "w", 1), ("tee", "w", 4)],
+                           request_key="c1")
+    assert out.held and out.reservation is not None
+    assert [(x.sku, x.quantity, x.backordered) for x in out.reservation.lines] == [
+        ("cap", 1, 1), ("tee", 4, 2)]
+    assert books(dsn, tenant.id, "tee") == {
+        "on_hand": 2, "free": 0, "held": 2, "owed": 0, "lines": 2}
+    assert books(dsn, tenant.id, "cap")["held"] == 1
+    other = await svc.reserve(tenant.id, "k2", [("tee", "w", 1)])
+    assert other.held and other.reservation is not None  # the allowance's last unit
+    await svc.release(tenant.id, rid)  # gives the allowance back, once
+    tee = books(dsn, tenant.id, "tee")
+    assert (tee["on_hand"], tee["held"], tee["owed"], tee["lines"]) == (2, 1, 0, 1)
+    assert (await svc.get_stock(tenant.id, "tee", "w")).available == 4  # 2 + 2 allowance
+
+    plain = await svc.reserve(tenant.id, "k3", [("tee", "w", 2)])
+    assert plain.reservation is not None
+    refused = await svc.change(tenant.id, plain.reservation.id, [("tee", "w", 5)],
+                               request_key="c2")
+    assert not refused.held
+    assert [(x.requested, x.available) for x in refused.short_lines] == [(5, 4)]
+    assert await svc.invariant_violations() == []

@@ -34,6 +34,8 @@ DECLARE
     v_missing jsonb;
     v_plan record;
     v_take record;
+    v_bo record;
+    v_backordered integer;
     v_outcome jsonb;
     v_view jsonb;
     v_short jsonb := '[]'::jsonb;
@@ -152,16 +154,28 @@ BEGIN
                 v_take := bucket_take_v1(p_tenant, v_plan.bucket_id,
                                          v_plan.new_qty - v_plan.old_qty, p_now,
                                          v_plan.strategy, v_plan.pool_lo, v_plan.pool_hi, true);
+                v_backordered := 0;
                 IF NOT v_take.ok THEN
-                    -- what this line could have: the units it holds and what is available
-                    v_short := v_short || jsonb_build_object(
-                        'sku', v_plan.sku, 'location', v_plan.location,
-                        'requested', v_plan.new_qty,
-                        'available', v_plan.old_qty + coalesce(
-                            v_take.seen_available,
-                            (bucket_view_v1(p_tenant, v_plan.bucket_id, v_now)
-                             ->> 'available')::bigint));
-                    CONTINUE;
+                    -- short: the rest from the bucket's backorder allowance, if it
+                    -- has one, as a reserve takes it (policy.sql; a short take took
+                    -- nothing)
+                    v_bo := bucket_backorder_take_v1(p_tenant, v_plan.bucket_id,
+                                                     v_plan.new_qty - v_plan.old_qty,
+                                                     p_now, true);
+                    IF NOT v_bo.ok THEN
+                        -- what this line could have: the units it holds and what is
+                        -- available (the allowance left included)
+                        v_short := v_short || jsonb_build_object(
+                            'sku', v_plan.sku, 'location', v_plan.location,
+                            'requested', v_plan.new_qty,
+                            'available', v_plan.old_qty + coalesce(
+                                v_bo.seen_available, v_take.seen_available,
+                                (bucket_view_v1(p_tenant, v_plan.bucket_id, v_now)
+                                 ->> 'available')::bigint));
+                        CONTINUE;
+                    END IF;
+                    v_take := v_bo;
+                    v_backordered := v_bo.backordered;
                 END IF;
                 IF v_take.units IS NOT NULL THEN
                     v_unit_buckets := v_unit_buckets
@@ -170,13 +184,15 @@ BEGIN
                 END IF;
                 IF v_plan.line_no IS NULL THEN
                     INSERT INTO reservation_line (tenant_id, reservation_id, line_no, bucket_id,
-                                                  quantity, expires_at)
+                                                  quantity, expires_at, backordered)
                     VALUES (p_tenant, p_id, v_next, v_plan.bucket_id, v_plan.new_qty,
-                            v_res.expires_at);
+                            v_res.expires_at, v_backordered);
                     v_next := v_next + 1;
                 ELSE
                     -- a raised line keeps its number: nothing of it was restored
-                    UPDATE reservation_line SET quantity = v_plan.new_qty
+                    -- (none of its units were backordered: such a cart is not changed)
+                    UPDATE reservation_line
+                    SET quantity = v_plan.new_qty, backordered = v_backordered
                     WHERE tenant_id = p_tenant AND reservation_id = p_id
                       AND line_no = v_plan.line_no;
                 END IF;
