@@ -41,7 +41,7 @@ _SQLSTATE_ERRORS: dict[str, type[errors.PgReserveError]] = {
     "PR425": errors.ReservationExpired,
     "PR426": errors.ReservationNotActive,
     "PR427": errors.ExtendWouldShorten,
-    "PR428": errors.BackorderedHoldUnchangeable,
+    "PR429": errors.BackorderedHoldUnchangeable,
 }
 _RETRY_WHOLE = {"40P01", "40001", "PR409"}  # deadlock, serialization, key committed first
 _BUSY = {"55P03", "57014"}  # lock_timeout, statement_timeout

@@ -78,7 +78,7 @@ BEGIN
     IF EXISTS (SELECT 1 FROM reservation_line
                WHERE tenant_id = p_tenant AND reservation_id = p_id AND backordered > 0) THEN
         RAISE EXCEPTION 'reservation % holds backordered units and cannot be changed: '
-                        'release it and reserve the new cart', p_id USING ERRCODE = 'PR428';
+                        'release it and reserve the new cart', p_id USING ERRCODE = 'PR429';
     END IF;
 
     SELECT jsonb_agg(jsonb_build_object('sku', u.sku, 'location', u.loc) ORDER BY u.ord)
