@@ -149,15 +149,21 @@ def reserve_digest(cart: Iterable[Line], life: timedelta, reference: str | None 
     """The fingerprint of a reserve: its sorted cart, time to live, reference and metadata.
     (reference and metadata are named only when given: a key stored before they existed
     still matches the same cart without them)"""
-    params: dict[str, Any] = {
+    return digest("reserve", _with_reference({
         "lines": [[line.sku, line.location, line.quantity] for line in cart],
         "ttl_ms": int(life.total_seconds() * 1000),
-    }
+    }, reference, metadata))
+
+
+def _with_reference(params: dict[str, Any], reference: str | None,
+                    metadata: dict[str, str] | None) -> dict[str, Any]:
+    """A reserve's digest parameters with its reference and metadata, each named only
+    when given."""
     if reference is not None:
         params["reference"] = reference
     if metadata:
         params["metadata"] = metadata
-    return digest("reserve", params)
+    return params
 
 
 DEFAULT_STOCK_PAGE = 100
@@ -592,14 +598,21 @@ class ReservationService:
                                                   started, ref, meta)
             if outcome is not None:
                 return outcome
+        return await self._reserve_call(
+            "reservation_reserve",
+            (tenant, key, fingerprint, lit.text_array(x.sku for x in cart),
+             lit.text_array(x.location for x in cart),
+             lit.int_array(x.quantity for x in cart), lit.interval(life), self.clock(),
+             ref, json.dumps(meta) if meta else None),
+            conn, started)
+
+    async def _reserve_call(self, query: str, params: tuple[Any, ...],
+                            conn: psycopg.AsyncConnection[Any] | None,
+                            started: float) -> ReserveOutcome:
+        """One unbatched reserve function call (`query` and its `_in` twin), observed."""
         try:
-            doc = await self._call(
-                queries["reservation_reserve"], queries["reservation_reserve_in"],
-                (tenant, key, fingerprint, lit.text_array(x.sku for x in cart),
-                 lit.text_array(x.location for x in cart),
-                 lit.int_array(x.quantity for x in cart), lit.interval(life), self.clock(),
-                 ref, json.dumps(meta) if meta else None),
-                OPS["reserve"], conn)
+            doc = await self._call(queries[query], queries[query + "_in"], params,
+                                   OPS["reserve"], conn)
         except Exception as exc:
             self._observe("reserve", _failure(exc), started)
             raise
@@ -618,34 +631,19 @@ class ReservationService:
         explicit, allocated = check.allocated_cart(lines)
         life = check.ttl(ttl)
         ref, meta = check.reference(reference), check.metadata(metadata)
-        params: dict[str, Any] = {
+        fingerprint = digest("reserve", _with_reference({
             "lines": [[line.sku, line.location, line.quantity] for line in explicit],
             "allocate": [[line.sku, line.quantity, line.split] for line in allocated],
             "ttl_ms": int(life.total_seconds() * 1000),
-        }
-        if ref is not None:
-            params["reference"] = ref
-        if meta:
-            params["metadata"] = meta
-        fingerprint = digest("reserve", params)
-        started = perf_counter()
-        try:
-            doc = await self._call(
-                queries["reservation_reserve_allocated"],
-                queries["reservation_reserve_allocated_in"],
-                (tenant, key, fingerprint, [x.sku for x in explicit],
-                 [x.location for x in explicit], [x.quantity for x in explicit],
-                 [x.sku for x in allocated], [x.quantity for x in allocated],
-                 [x.split for x in allocated], life, self.clock(), ref,
-                 json.dumps(meta) if meta else None),
-                OPS["reserve"], conn)
-        except Exception as exc:
-            self._observe("reserve", _failure(exc), started)
-            raise
-        outcome = ReserveOutcome.from_json(doc)
-        self._observe("reserve", "idempotent_replay" if outcome.replayed
-                      else _reserve_label(outcome), started)
-        return outcome
+        }, ref, meta))
+        return await self._reserve_call(
+            "reservation_reserve_allocated",
+            (tenant, key, fingerprint, [x.sku for x in explicit],
+             [x.location for x in explicit], [x.quantity for x in explicit],
+             [x.sku for x in allocated], [x.quantity for x in allocated],
+             [x.split for x in allocated], life, self.clock(), ref,
+             json.dumps(meta) if meta else None),
+            conn, perf_counter())
 
     async def set_location_priority(self, tenant: int,
                                     locations: Iterable[str]) -> tuple[str, ...]:
