@@ -129,6 +129,54 @@ async def test_a_refusal_is_typed_and_keeps_the_callers_transaction_usable(
     assert (await service.get_stock(tenant.id, "sku-1", "wh")).on_hand == 3
 
 
+async def test_a_cart_change_commits_or_rolls_back_with_the_callers_transaction(
+        service: ReservationService, tenant: Tenant,
+        shop: psycopg.AsyncConnection[tuple[object, ...]]) -> None:
+    """change with conn= is part of the shop's transaction: rolled back, the hold keeps
+    its old cart, the stock is as before and the key is free; committed, the new cart
+    and the shop's row are both there; a refusal inside leaves the transaction usable."""
+    await service.set_stock(tenant.id, "sku-1", "wh", 10)
+    await service.set_stock(tenant.id, "sku-2", "wh", 4)
+    held = await service.reserve(tenant.id, "order-1", [Line("sku-1", "wh", 2)])
+    assert held.reservation is not None
+    rid = held.reservation.id
+
+    async def change_then_fail() -> None:
+        async with shop.transaction():
+            out = await service.change(tenant.id, rid, [Line("sku-1", "wh", 5),
+                                                        Line("sku-2", "wh", 1)],
+                                       request_key="change-1", conn=shop)
+            assert out.held
+            assert (await service.get_stock(tenant.id, "sku-1", "wh")).available == 8
+            raise RuntimeError("payment provider down")
+
+    with pytest.raises(RuntimeError, match="payment provider down"):
+        await change_then_fail()
+    before = await service.get_reservation(tenant.id, rid)
+    assert [(x.sku, x.quantity) for x in before.lines] == [("sku-1", 2)]
+    assert (await service.get_stock(tenant.id, "sku-1", "wh")).available == 8
+    assert (await service.get_stock(tenant.id, "sku-2", "wh")).available == 4
+
+    async with shop.transaction():
+        with pytest.raises(ReservationNotFound):
+            await service.change(tenant.id, "0b9a7c52-3c1e-4a4e-9a57-9a0d2f7a1c00",
+                                 [Line("sku-1", "wh", 1)], request_key="change-x", conn=shop)
+        out = await service.change(tenant.id, rid, [Line("sku-1", "wh", 5),
+                                                    Line("sku-2", "wh", 1)],
+                                   request_key="change-1", conn=shop)
+        assert out.held and not out.replayed
+        await shop.execute("INSERT INTO public.shop_order VALUES ('order-1', %s)", (rid,))
+    assert await _orders(shop) == [("order-1",)]
+    after = await service.get_reservation(tenant.id, rid)
+    assert [(x.sku, x.quantity) for x in after.lines] == [("sku-1", 5), ("sku-2", 1)]
+    assert (await service.get_stock(tenant.id, "sku-1", "wh")).available == 5
+    assert (await service.get_stock(tenant.id, "sku-2", "wh")).available == 3
+    replay = await service.change(tenant.id, rid, [Line("sku-1", "wh", 5),
+                                                   Line("sku-2", "wh", 1)],
+                                  request_key="change-1")
+    assert replay.held and replay.replayed
+
+
 async def test_a_connection_outside_a_transaction_is_refused(
         service: ReservationService, tenant: Tenant,
         shop: psycopg.AsyncConnection[tuple[object, ...]]) -> None:

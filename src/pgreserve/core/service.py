@@ -750,7 +750,8 @@ class ReservationService:
         return Reservation.from_json(doc)
 
     async def change(self, tenant: int, reservation_id: str | uuid.UUID,
-                     lines: Iterable[Any], *, request_key: str) -> ReserveOutcome:
+                     lines: Iterable[Any], *, request_key: str,
+                     conn: psycopg.AsyncConnection[Any] | None = None) -> ReserveOutcome:
         """Make an active reservation hold exactly `lines` (the whole new cart), or change
         nothing.
 
@@ -764,6 +765,8 @@ class ReservationService:
         The expiry stays as it is. A reservation that is not active raises
         ReservationClaimed, ReservationReleased or ReservationNotActive (expired); an
         empty cart raises InvalidRequest (release the reservation instead).
+
+        `conn`: run it on this connection, inside its open transaction (see `_call`).
         """
         tenant = check.tenant_id(tenant)
         key = check.request_key(request_key)
@@ -775,12 +778,12 @@ class ReservationService:
         })
         started = perf_counter()
         try:
-            doc = await self.db.call(
-                queries["reservation_change"],
+            doc = await self._call(
+                queries["reservation_change"], queries["reservation_change_in"],
                 (tenant, key, fingerprint, rid, lit.text_array(x.sku for x in cart),
                  lit.text_array(x.location for x in cart),
                  lit.int_array(x.quantity for x in cart), self.clock()),
-                op=OPS["change"])
+                OPS["change"], conn)
         except Exception as exc:
             self._observe("change", _failure(exc), started)
             raise

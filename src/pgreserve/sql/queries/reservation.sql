@@ -36,6 +36,10 @@ SELECT {}.transition_keyed_v2(%s, %s, %s, %s, %s, %s, %s, %s);
 -- The whole new cart of an active reservation, under a request key (change.sql).
 SELECT change_v1(%s, %s, %s, %s, %s::text[], %s::text[], %s::integer[], %s);
 
+-- name: reservation_change_in
+-- The same on a caller's connection (see reservation_reserve_in).
+SELECT {}.change_v1(%s, %s, %s, %s, %s::text[], %s::text[], %s::integer[], %s);
+
 -- name: reservation_view
 SELECT reservation_view_v1(%s, %s, coalesce(%s, clock_timestamp()));
 
