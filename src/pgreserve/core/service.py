@@ -599,20 +599,20 @@ class ReservationService:
             if outcome is not None:
                 return outcome
         return await self._reserve_call(
-            "reservation_reserve",
+            queries["reservation_reserve"], queries["reservation_reserve_in"],
             (tenant, key, fingerprint, lit.text_array(x.sku for x in cart),
              lit.text_array(x.location for x in cart),
              lit.int_array(x.quantity for x in cart), lit.interval(life), self.clock(),
              ref, json.dumps(meta) if meta else None),
             conn, started)
 
-    async def _reserve_call(self, query: str, params: tuple[Any, ...],
+    async def _reserve_call(self, sql: LiteralString, sql_in: LiteralString,
+                            params: tuple[Any, ...],
                             conn: psycopg.AsyncConnection[Any] | None,
                             started: float) -> ReserveOutcome:
-        """One unbatched reserve function call (`query` and its `_in` twin), observed."""
+        """One unbatched reserve function call (see `_call`), observed."""
         try:
-            doc = await self._call(queries[query], queries[query + "_in"], params,
-                                   OPS["reserve"], conn)
+            doc = await self._call(sql, sql_in, params, OPS["reserve"], conn)
         except Exception as exc:
             self._observe("reserve", _failure(exc), started)
             raise
@@ -637,7 +637,8 @@ class ReservationService:
             "ttl_ms": int(life.total_seconds() * 1000),
         }, ref, meta))
         return await self._reserve_call(
-            "reservation_reserve_allocated",
+            queries["reservation_reserve_allocated"],
+            queries["reservation_reserve_allocated_in"],
             (tenant, key, fingerprint, [x.sku for x in explicit],
              [x.location for x in explicit], [x.quantity for x in explicit],
              [x.sku for x in allocated], [x.quantity for x in allocated],
