@@ -39,11 +39,13 @@ async def expired_hold(db: Database, tenant: int, sku: str, qty: int) -> None:
     assert out.held
 
 
-@pytest.mark.parametrize(("before", "after"), [("row", "pool"), ("pool", "row"),
-                                               ("row", "row")])
+# (a pool line of 15 is short at once: its bucket then has 5 units, all in the expired hold)
+@pytest.mark.parametrize(("before", "after", "qty"), [
+    ("row", "pool", 1), ("row", "pool", 15), ("row", "row", 1), ("row", "row", 15),
+    ("pool", "row", 1)])
 async def test_cart_line_waiting_to_give_up_expired_holds_survives_a_count(
-        dsn: str, db: Database, tenant: Tenant, before: str, after: str) -> None:
-    """A cart line whose bucket's only units are an expired hold, waiting for a count (a switch from `before` to `after`) to commit, is held from the counted stock, not stored as short."""
+        dsn: str, db: Database, tenant: Tenant, before: str, after: str, qty: int) -> None:
+    """A cart line whose bucket's only units are an expired hold, waiting for a count (a switch from `before` to `after`) to commit, is held from the counted stock (from the pool, or beyond it: 15 of a pool of 10), not stored as short."""
     service = ReservationService(db, batching=False)
     await service.set_stock(tenant.id, "cart-0", "w", 5, strategy=before, pool_cap=10)
     await service.set_stock(tenant.id, "cart-3", "w", 10, strategy="row")
@@ -53,7 +55,7 @@ async def test_cart_line_waiting_to_give_up_expired_holds_survives_a_count(
         # lines and is paused before COMMIT; the cart read the old strategy
         count.execute(COUNT_SQL, (tenant.id, "cart-0", 20, after))
         cart = asyncio.create_task(service.reserve(
-            tenant.id, "cart", [("cart-0", "w", 1), ("cart-3", "w", 2)]))
+            tenant.id, "cart", [("cart-0", "w", qty), ("cart-3", "w", 2)]))
         await wait_until_blocked(dsn)
         assert not cart.done()
         count.commit()
@@ -63,7 +65,7 @@ async def test_cart_line_waiting_to_give_up_expired_holds_survives_a_count(
     assert out.held, (f"cart rejected with {out.short_lines}; cart-0 now shows"
                       f" {view.available} available")
     assert (view.strategy.value, view.on_hand, view.reserved, view.available) == (
-        after, 20, 1, 19)
+        after, 20, qty, 20 - qty)
     assert await service.invariant_violations() == []
 
 
