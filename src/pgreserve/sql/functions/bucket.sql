@@ -168,9 +168,14 @@ BEGIN
                 seen_available := greatest(0, v_free);
                 RETURN;
             END IF;
-            -- Give up the expired holds under the bucket lock, then take.
-            PERFORM 1 FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+            -- Give up the expired holds under the bucket lock, then take. A
+            -- switch may have committed since the strategy was read (a count
+            -- holding the bucket is waited for here): under the lock it is read
+            -- again, and a pool bucket starts over as its refiller.
+            SELECT strategy, pool_lo, pool_hi INTO v_strategy, v_lo, v_hi
+            FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket
             FOR NO KEY UPDATE;
+            CONTINUE WHEN v_strategy <> 'row';
             v_cut := coalesce(p_now, clock_timestamp());
             -- (enough to bring free back up to safety stock too)
             PERFORM bucket_reclaim_expired_v1(p_tenant, p_bucket, v_cut,

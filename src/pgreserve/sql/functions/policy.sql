@@ -70,7 +70,10 @@ BEGIN
     END IF;
     from_free := least(p_qty - v_locked, greatest(0, b.free - b.safety_stock));
     backordered := p_qty - v_locked - from_free;
-    IF b.backorder_held + b.backorder_owed + backordered <= b.backorder_limit THEN
+    -- (stock that came in since bucket_take_v1 looked may cover it all: then no
+    -- allowance is needed, even where a lowered limit leaves none)
+    IF backordered = 0
+       OR b.backorder_held + b.backorder_owed + backordered <= b.backorder_limit THEN
         UPDATE stock_bucket
         SET free = free - from_free, backorder_held = backorder_held + backordered
         WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
