@@ -298,3 +298,32 @@ async def test_a_change_takes_what_stock_lacks_from_the_allowance(
     assert not refused.held
     assert [(x.requested, x.available) for x in refused.short_lines] == [(5, 4)]
     assert await svc.invariant_violations() == []
+
+
+@BATCHING
+async def test_a_limit_lowered_below_what_is_backordered_keeps_the_holds_and_stops_new_ones(
+        db: Database, tenant: Tenant, strategy: str, batching: bool, dsn: str) -> None:
+    """With 3 units backordered, lowering the limit to 2 is accepted and keeps the hold as
+    it was; a new hold that needs the allowance is refused, one the stock covers is held;
+    once the backordered hold is released, the lowered limit serves again."""
+    svc = ReservationService(db, batching=batching)
+    await svc.set_stock(tenant.id, "tee", "w", 2, strategy=strategy, backorder_limit=5)
+    first = await svc.reserve(tenant.id, "k1", [("tee", "w", 4)])
+    assert first.held and first.reservation is not None
+    assert first.reservation.lines[0].backordered == 2
+    await svc.reserve(tenant.id, "k2", [("tee", "w", 1)])  # backordered 1: 3 in all
+    view = await svc.set_stock(tenant.id, "tee", "w", 4, strategy=strategy, backorder_limit=2)
+    assert (view.backorder_limit, view.backorder_held) == (2, 3)
+    assert books(dsn, tenant.id, "tee")["lines"] == 3
+    refused = await svc.reserve(tenant.id, "k3", [("tee", "w", 3)])
+    assert not refused.held
+    covered = await svc.reserve(tenant.id, "k4", [("tee", "w", 2)])  # the 2 counted in
+    assert covered.held and covered.reservation is not None
+    assert covered.reservation.lines[0].backordered == 0
+    await svc.release(tenant.id, first.reservation.id)
+    again = await svc.reserve(tenant.id, "k5", [("tee", "w", 3)])
+    assert again.held and again.reservation is not None
+    assert again.reservation.lines[0].backordered == 1
+    assert books(dsn, tenant.id, "tee") == {"on_hand": 4, "free": 0, "held": 2, "owed": 0,
+                                            "lines": 2}
+    assert await svc.invariant_violations(tenant.id) == []
