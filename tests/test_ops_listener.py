@@ -211,6 +211,24 @@ def test_latency_histogram_is_labelled_by_route_template_and_status(served: OpsS
     assert {s.labels["le"] for s in buckets} >= {"0.005", "1.0", "+Inf"}
 
 
+def test_documentation_pages_are_labelled_by_their_own_routes(served: OpsServed) -> None:
+    """/docs, /redoc, /openapi.json and the pages' assets are counted under their own
+    route templates, not as "unmatched" (which stays for paths nothing serves)."""
+    for path in ("/docs", "/redoc", "/openapi.json", "/docs/assets/swagger-ui.css",
+                 "/docs/no-such-page"):
+        httpx.get(served.api + path, timeout=30)
+    text = httpx.get(served.ops + "/metrics", timeout=30).text
+    family = next(f for f in text_string_to_metric_families(text)
+                  if f.name == "pgreserve_http_requests")
+    counts = {(s.labels["method"], s.labels["route"], s.labels["status"]): s.value
+              for s in family.samples if s.name.endswith("_total")}
+    assert counts[("GET", "/docs", "200")] >= 1
+    assert counts[("GET", "/redoc", "200")] >= 1
+    assert counts[("GET", "/openapi.json", "200")] >= 1
+    assert counts[("GET", "/docs/assets/{path:path}", "200")] >= 1
+    assert counts[("GET", "unmatched", "404")] >= 1
+
+
 def test_request_log_has_one_line_per_request_and_no_secret(dsn: str) -> None:
     """Each request gives one JSON line with route template, tenant id, request key,
     outcome, status, duration and error class; the API key, the Authorization header and

@@ -6,6 +6,8 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from starlette.routing import Mount, Route
+
 from .. import errors
 from . import problems
 from .metrics import ApiMetrics
@@ -114,7 +116,7 @@ class ObserveRequests:
         finally:
             seconds = time.perf_counter() - started
             route = scope.get("route")
-            path = getattr(route, "path", None) or "unmatched"
+            path = getattr(route, "path", None) or _template(scope) or "unmatched"
             method = scope.get("method", "")
             code = str(status)
             series = self._series.get((method, path, code))
@@ -137,6 +139,21 @@ class ObserveRequests:
 
 
 _SERIES = 1000
+
+
+def _template(scope: Scope) -> str | None:
+    """The path template of a request served by a plain Starlette route or mount (the
+    documentation pages, /openapi.json, the pages' assets): FastAPI's router names only
+    its own API routes in scope["route"]. None when nothing matched."""
+    endpoint = scope.get("endpoint")
+    if endpoint is None:
+        return None
+    for route in getattr(scope.get("app"), "routes", ()):
+        if isinstance(route, Route) and route.endpoint is endpoint:
+            return route.path
+        if isinstance(route, Mount) and route.app is endpoint:
+            return route.path + "/{path:path}"
+    return None
 
 
 def _client(scope: Scope) -> str | None:
