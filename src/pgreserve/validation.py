@@ -162,10 +162,14 @@ def strategy(value: Any) -> Strategy | None:
         raise InvalidRequest("strategy must be 'row' or 'pool'", field="strategy") from None
 
 
-def cart(lines: Iterable[Any]) -> list[Line]:
-    """Validate a cart and return its lines sorted by (sku, location): the lock order."""
+def _require_iterable(lines: Any) -> None:
     if isinstance(lines, (str, bytes)) or not isinstance(lines, Iterable):
         raise InvalidRequest("lines must be a list", field="lines")
+
+
+def cart(lines: Iterable[Any]) -> list[Line]:
+    """Validate a cart and return its lines sorted by (sku, location): the lock order."""
+    _require_iterable(lines)
     parsed: list[Line] = []
     sku: Any
     loc: Any
@@ -199,22 +203,21 @@ def cart(lines: Iterable[Any]) -> list[Line]:
 
 def line_list(lines: Any) -> list[Any]:
     """The raw lines of a cart as a list (checked one by one later)."""
-    if isinstance(lines, (str, bytes)) or not isinstance(lines, Iterable):
-        raise InvalidRequest("lines must be a list", field="lines")
+    _require_iterable(lines)
     return list(lines)
 
 
+def _names_no_location(raw: Any) -> bool:
+    """Whether one raw cart line names no location: an AllocatedLine, a dict whose
+    location is absent or None, or a (sku, None, quantity) tuple."""
+    return (isinstance(raw, AllocatedLine)
+            or (isinstance(raw, dict) and raw.get("location") is None)
+            or (isinstance(raw, (tuple, list)) and len(raw) == 3 and raw[1] is None))
+
+
 def allocates(lines: list[Any]) -> bool:
-    """Whether a line of the cart names no location (an AllocatedLine, a dict whose
-    location is absent or None, or a (sku, None, quantity) tuple)."""
-    for raw in lines:
-        if isinstance(raw, AllocatedLine):
-            return True
-        if isinstance(raw, dict) and raw.get("location") is None:
-            return True
-        if isinstance(raw, (tuple, list)) and len(raw) == 3 and raw[1] is None:
-            return True
-    return False
+    """Whether a line of the cart names no location (see _names_no_location)."""
+    return any(_names_no_location(raw) for raw in lines)
 
 
 def allocated_cart(lines: list[Any]) -> tuple[list[Line], list[AllocatedLine]]:
@@ -227,16 +230,7 @@ def allocated_cart(lines: list[Any]) -> tuple[list[Line], list[AllocatedLine]]:
     qty: Any
     split: Any
     for i, raw in enumerate(lines):
-        if isinstance(raw, AllocatedLine):
-            sku, qty, split = raw.sku, raw.quantity, raw.split
-        elif isinstance(raw, dict) and raw.get("location") is None:
-            unknown = set(raw) - {"sku", "location", "quantity", "split"}
-            if unknown:
-                raise InvalidRequest(f"line {i + 1} has unknown fields: {sorted(unknown)}")
-            sku, qty, split = raw.get("sku"), raw.get("quantity"), raw.get("split", False)
-        elif isinstance(raw, (tuple, list)) and len(raw) == 3 and raw[1] is None:
-            sku, qty, split = raw[0], raw[2], False
-        else:
+        if not _names_no_location(raw):
             if isinstance(raw, dict) and "split" in raw:
                 if raw["split"] is not False:
                     raise InvalidRequest(f"line {i + 1} names a location: split applies only "
@@ -244,6 +238,15 @@ def allocated_cart(lines: list[Any]) -> tuple[list[Line], list[AllocatedLine]]:
                 raw = {k: v for k, v in raw.items() if k != "split"}
             explicit.append(raw)
             continue
+        if isinstance(raw, AllocatedLine):
+            sku, qty, split = raw.sku, raw.quantity, raw.split
+        elif isinstance(raw, dict):
+            unknown = set(raw) - {"sku", "location", "quantity", "split"}
+            if unknown:
+                raise InvalidRequest(f"line {i + 1} has unknown fields: {sorted(unknown)}")
+            sku, qty, split = raw.get("sku"), raw.get("quantity"), raw.get("split", False)
+        else:  # (sku, None, quantity)
+            sku, qty, split = raw[0], raw[2], False
         allocated.append(AllocatedLine(name(sku, "sku"), quantity(qty), flag(split, "split")))
     if len(lines) > MAX_LINES:
         raise InvalidRequest(f"a cart has at most {MAX_LINES} lines", field="lines")
