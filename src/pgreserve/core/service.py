@@ -377,11 +377,8 @@ class ReservationService:
         """The tenant an unrevoked API key belongs to, or None."""
         if not apikeys.plausible(key):
             return None
-        rows = await self.db.fetch(
-            queries["api_key_authenticate"],
-            (apikeys.hash_key(key),), op=OPS["authenticate"],
-        )
-        return int(rows[0][0]) if rows else None
+        digest = apikeys.hash_key(key)
+        return (await self.tenants_for_api_key_hashes([digest])).get(digest)
 
     async def tenants_for_api_key_hashes(self, hashes: Sequence[bytes]) -> dict[bytes, int]:
         """The tenants of the unrevoked API keys among these hashes (apikeys.hash_key), in
@@ -445,13 +442,7 @@ class ReservationService:
         """At most `limit` units of `sku` (over all its lines and locations) in one
         reservation, for its buckets now and later; None removes the limit. A cart over it
         is refused (reason cart_limit_exceeded, stored under its key) and takes nothing."""
-        tenant = check.tenant_id(tenant)
-        sku = check.name(sku, "sku")
-        if limit is not None:
-            limit = check.integer(limit, "cart_limit", 1, MAX_QUANTITY)
-        doc = await self.db.call(queries["sku_limit_set"], (tenant, sku, limit),
-                                 op=OPS["sku_limit_set"])
-        return SkuSettings.from_json(doc)
+        return await self.update_sku(tenant, sku, cart_limit=limit)
 
     async def sku_settings(self, tenant: int, sku: str) -> SkuSettings:
         """What is set for a SKU (a SKU never set: no limit)."""
@@ -609,15 +600,16 @@ class ReservationService:
     async def _reserve_call(self, sql: LiteralString, sql_in: LiteralString,
                             params: tuple[Any, ...],
                             conn: psycopg.AsyncConnection[Any] | None,
-                            started: float) -> ReserveOutcome:
-        """One unbatched reserve function call (see `_call`), observed."""
+                            started: float, op: Op = OPS["reserve"]) -> ReserveOutcome:
+        """One unbatched call whose answer is a reserve's outcome (a reserve, or a cart
+        change with `op`; see `_call`), observed under `op`'s action."""
         try:
-            doc = await self._call(sql, sql_in, params, OPS["reserve"], conn)
+            doc = await self._call(sql, sql_in, params, op, conn)
         except Exception as exc:
-            self._observe("reserve", _failure(exc), started)
+            self._observe(op.action, _failure(exc), started)
             raise
         outcome = ReserveOutcome.from_json(doc)
-        self._observe("reserve", "idempotent_replay" if outcome.replayed
+        self._observe(op.action, "idempotent_replay" if outcome.replayed
                       else _reserve_label(outcome), started)
         return outcome
 
@@ -777,23 +769,15 @@ class ReservationService:
             "id": str(rid),
             "lines": [[line.sku, line.location, line.quantity] for line in cart],
         })
-        started = perf_counter()
-        try:
-            doc = await self._call(
-                queries["reservation_change"], queries["reservation_change_in"],
-                (tenant, key, fingerprint, rid, lit.text_array(x.sku for x in cart),
-                 lit.text_array(x.location for x in cart),
-                 lit.int_array(x.quantity for x in cart), self.clock()),
-                OPS["change"], conn)
-        except Exception as exc:
-            self._observe("change", _failure(exc), started)
-            raise
-        outcome = ReserveOutcome.from_json(doc)
+        outcome = await self._reserve_call(
+            queries["reservation_change"], queries["reservation_change_in"],
+            (tenant, key, fingerprint, rid, lit.text_array(x.sku for x in cart),
+             lit.text_array(x.location for x in cart),
+             lit.int_array(x.quantity for x in cart), self.clock()),
+            conn, perf_counter(), OPS["change"])
         # The cart may have moved to other buckets, or to several: the next claim or
         # release looks its buckets up again (bucket_batch_v1 checks them anyway).
         self._reservation_buckets.pop((tenant, rid), None)
-        self._observe("change", "idempotent_replay" if outcome.replayed
-                      else _reserve_label(outcome), started)
         return outcome
 
     async def _keyed(self, tenant: int, request_key: str, operation: str,

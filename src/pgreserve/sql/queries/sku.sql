@@ -1,8 +1,5 @@
 -- Settings of a SKU over all its locations (core/service.py).
 
--- name: sku_limit_set
-SELECT sku_limit_set_v1(%s, %s, %s);
-
 -- name: sku_settings
 SELECT sku_settings_v1(%s, %s);
 

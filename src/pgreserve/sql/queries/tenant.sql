@@ -17,10 +17,6 @@ SELECT tenant_id, name, created_at FROM tenant ORDER BY tenant_id;
 -- name: tenant_exists
 SELECT 1 FROM tenant WHERE tenant_id = %s;
 
--- name: api_key_authenticate
--- The tenant of an unrevoked key, found by the key's hash.
-SELECT tenant_id FROM api_key WHERE key_hash = %s AND revoked_at IS NULL;
-
 -- name: api_key_authenticate_many
 -- The tenants of the unrevoked keys among these hashes (one lookup for the requests
 -- that arrived together), by hash.
