@@ -168,10 +168,15 @@ def _settle(batch: dict[bytes, list[asyncio.Future[int | None]]],
 
 def service(request: Request) -> ReservationService:
     """The app's service; 503 while its pool is not open."""
-    svc = getattr(request.app.state, "service", None)
+    return service_of(request.app.state)
+
+
+def service_of(state: Any) -> ReservationService:
+    """The service of an app's `state`; 503 while its pool is not open."""
+    svc: ReservationService | None = getattr(state, "service", None)
     if svc is None:
         raise problems.Unavailable("the database pool is not open")
-    return svc  # type: ignore[no-any-return]  # app.state is untyped
+    return svc
 
 
 # Dependencies are coroutines: FastAPI runs a plain function in a worker
@@ -214,11 +219,8 @@ async def authenticate(state: Any, scope: MutableMapping[str, Any],
     credentials = credentials.strip()
     if scheme.lower() != "bearer" or not credentials:
         raise problems.Unauthorized("send an API key as 'Authorization: Bearer <key>'")
-    svc: ReservationService | None = getattr(state, "service", None)
-    if svc is None:
-        raise problems.Unavailable("the database pool is not open")
     keys: ApiKeyCache = state.api_keys
-    tenant = await keys.tenant(svc, credentials)
+    tenant = await keys.tenant(service_of(state), credentials)
     if tenant is None:
         raise problems.Unauthorized("unknown API key")
     admission.admit(tenant)  # 429 over the tenant's in-flight limit

@@ -39,7 +39,7 @@ from .. import errors
 from ..domain import MAX_LINES, MAX_NAME, MAX_QUANTITY
 from . import problems
 from .dependencies import Caller, authenticate, request_key
-from .middleware import ASGIApp, Message, Receive, Scope, Send
+from .middleware import ASGIApp, Receive, Scope, Send, replaying
 from .models import MAX_TTL_SECONDS
 from .routes import reservations
 
@@ -230,23 +230,9 @@ async def _read_body(receive: Receive) -> tuple[bytes | None, Receive]:
     while True:
         message = await receive()
         if message["type"] != "http.request":
-            return None, _replay_message(message, receive)
+            return None, replaying(message, receive)
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
             break
     body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    return body, _replay_message({"type": "http.request", "body": body, "more_body": False},
-                                 receive)
-
-
-def _replay_message(first: Message, receive: Receive) -> Receive:
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return first
-        return await receive()
-
-    return replay
+    return body, replaying({"type": "http.request", "body": body, "more_body": False}, receive)

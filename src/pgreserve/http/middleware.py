@@ -21,6 +21,20 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
+def replaying(first: Message, receive: Receive) -> Receive:
+    """A receive that gives `first` (a message already read), then what `receive` gives."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return first
+        return await receive()
+
+    return replay
+
+
 class BodyLimit:
     """Reject bodies over `limit` bytes with 413 before any parsing (chunked too)."""
 
@@ -52,16 +66,8 @@ class BodyLimit:
             chunks.append(chunk)
             more = message.get("more_body", False)
         body = b"".join(chunks)
-        sent = False
-
-        async def replay() -> Message:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying({"type": "http.request", "body": body,
+                                         "more_body": False}, receive), send)
 
     async def refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         too_large = problems.PayloadTooLarge(f"the request body exceeds {self.limit} bytes")
