@@ -101,7 +101,6 @@ AS $$
 DECLARE
     v_now timestamptz := coalesce(p_now, clock_timestamp());
     v_cut timestamptz;
-    v_void text;
     v_replay jsonb;
     v_missing jsonb;
     v_missing_alloc jsonb;
@@ -141,10 +140,8 @@ DECLARE
     v_id uuid;
     i integer;
 BEGIN
-    -- one key's requests one after another, and the freeze lock shared (reserve_v1)
-    v_void := pg_advisory_xact_lock(hashtextextended(p_key, p_tenant))::text;
-    v_void := pg_advisory_xact_lock_shared(1885827686, freeze_lock_key_v1(p_tenant))::text;
-    v_replay := ledger_check_v1(p_tenant, p_key, 'reserve', p_digest);
+    -- one key's requests one after another, the freeze lock shared (ledger.sql)
+    v_replay := request_begin_v1(p_tenant, p_key, 'reserve', p_digest);
     IF v_replay IS NOT NULL THEN
         RETURN v_replay;
     END IF;

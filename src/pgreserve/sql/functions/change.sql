@@ -28,7 +28,6 @@ SET search_path FROM CURRENT
 AS $$
 DECLARE
     v_now timestamptz;
-    v_void text;
     v_replay jsonb;
     v_res reservation;
     v_missing jsonb;
@@ -44,12 +43,8 @@ DECLARE
     v_unit_buckets bigint[] := '{}';
     v_unit_ids bigint[] := '{}';
 BEGIN
-    -- one key's requests one after another (as reserve_v1), then the tenant's
-    -- freeze lock shared (freeze.sql): a freeze commits only when no take that
-    -- did not see it is still open
-    v_void := pg_advisory_xact_lock(hashtextextended(p_key, p_tenant))::text;
-    v_void := pg_advisory_xact_lock_shared(1885827686, freeze_lock_key_v1(p_tenant))::text;
-    v_replay := ledger_check_v1(p_tenant, p_key, 'change', p_digest);
+    -- one key's requests one after another, the freeze lock shared (ledger.sql)
+    v_replay := request_begin_v1(p_tenant, p_key, 'change', p_digest);
     IF v_replay IS NOT NULL THEN
         RETURN v_replay;
     END IF;

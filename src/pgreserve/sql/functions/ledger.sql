@@ -48,3 +48,19 @@ BEGIN
     GET DIAGNOSTICS v_count = ROW_COUNT;
     RETURN v_count;
 END $$;
+
+-- The start of a keyed request that may take stock: requests with one key run one
+-- after another (a transaction-scoped lock on the key's hash; a collision only
+-- serialises two unrelated requests), then the tenant's freeze lock is taken
+-- shared (freeze.sql: a freeze commits only when no take that did not see it is
+-- still open). Returns the key's stored answer (a replay), or NULL for a new
+-- request; the key used with other parameters raises PR422. reserve_v1 writes the
+-- same steps inline (its hottest path); change_v1 and reserve_allocated_v1 call it.
+CREATE OR REPLACE FUNCTION request_begin_v1(p_tenant bigint, p_key text, p_operation text,
+                                            p_digest text)
+RETURNS jsonb LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended(p_key, p_tenant));
+    PERFORM pg_advisory_xact_lock_shared(1885827686, freeze_lock_key_v1(p_tenant));
+    RETURN ledger_check_v1(p_tenant, p_key, p_operation, p_digest);
+END $$;

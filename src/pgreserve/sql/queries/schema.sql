@@ -107,7 +107,7 @@ BEGIN
               'location_priority_set_v1', 'reserve_allocated_v1', 'sku_update_v1',
               'pool_refill_candidates_v1', 'pool_refill_v1', 'pool_replenish_v1',
               'pool_take_units_v1', 'pool_units_delete_v1', 'release_v1',
-              'request_keys_purge_v1', 'reservation_give_back_v1',
+              'request_begin_v1', 'request_keys_purge_v1', 'reservation_give_back_v1',
               'reservation_line_held_guard', 'reservation_lock_v1',
               'reservation_transition_guard', 'reservation_view_v1', 'reserve_v1',
               'sku_limit_set_v1', 'sku_lock_v1', 'sku_settings_v1',
