@@ -155,6 +155,32 @@ async def test_retries_stop_at_the_deadline(dsn: str) -> None:
         assert 1 <= db.stats.serialization_retried < 1000
 
 
+async def test_contention_is_retried_for_its_window_past_max_attempts(dsn: str) -> None:
+    """A statement refused by contention (serialization failure, deadlock) more often than
+    max_attempts is still retried while contention_retry_s lasts and then succeeds; with
+    no window, max_attempts alone bounds it and the call is Busy, never run."""
+    async with Database(dsn, max_size=2) as db:
+        await db.call("CREATE SEQUENCE tries")
+        await db.call(
+            "CREATE FUNCTION contended(fails int, state text) RETURNS bigint"
+            " LANGUAGE plpgsql AS $$ DECLARE n bigint := nextval('tries'); BEGIN"
+            " IF n <= fails THEN RAISE EXCEPTION 'contended' USING ERRCODE = state; END IF;"
+            " RETURN n; END $$")
+    quick = dict(max_attempts=2, backoff_base_s=0.001, backoff_cap_s=0.002)
+    async with Database(dsn, max_size=2, settings=TxSettings(**quick)) as db:
+        assert await db.call("SELECT contended(8, '40001')") == 9
+        assert db.stats.serialization_retried == 8
+        await db.call("SELECT setval('tries', 1, false)")
+        assert await db.call("SELECT contended(5, '40P01')") == 6
+        assert db.stats.deadlocks_retried == 5
+    no_window = TxSettings(**quick, contention_retry_s=0)
+    async with Database(dsn, max_size=2, settings=no_window) as db:
+        await db.call("SELECT setval('tries', 1, false)")
+        with pytest.raises(Busy, match="gave up after 2 attempts"):
+            await db.call("SELECT contended(8, '40001')")
+        assert await db.call("SELECT nextval('tries')") == 3  # two attempts ran, no more
+
+
 async def test_a_lost_connection_after_sending_stays_unknown_until_the_deadline(
         dsn: str) -> None:
     """A statement whose connection is lost every time it is sent is retried until the

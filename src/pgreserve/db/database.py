@@ -43,7 +43,8 @@ _SQLSTATE_ERRORS: dict[str, type[errors.PgReserveError]] = {
     "PR427": errors.ExtendWouldShorten,
     "PR429": errors.BackorderedHoldUnchangeable,
 }
-_RETRY_WHOLE = {"40P01", "40001", "PR409"}  # deadlock, serialization, key committed first
+_CONTENTION = {"40P01", "40001"}  # deadlock, serialization failure
+_RETRY_WHOLE = _CONTENTION | {"PR409"}  # and a key committed first
 _BUSY = {"55P03", "57014"}  # lock_timeout, statement_timeout
 # undefined_table, undefined_function, invalid_schema_name: pgreserve's schema is not there
 _NOT_MIGRATED = {"42P01", "42883", "3F000"}
@@ -55,6 +56,13 @@ class TxSettings:
 
     `pool_wait_s`: the longest a call waits for a connection of the pool (less
     when its deadline is nearer); past it the call is `Busy`, never sent.
+
+    `contention_retry_s`: contention (a deadlock, a serialization failure, a
+    bucket short of units other transactions are taking) is retried for at
+    least this long from the call's start, even past `max_attempts`, and never
+    past the call's deadline. Under a sale's load one bucket row is rarely
+    free, and a count of attempts alone runs out within a few hundred
+    milliseconds; 0 leaves `max_attempts` the only bound.
     """
 
     lock_timeout_ms: int = 2000
@@ -63,6 +71,7 @@ class TxSettings:
     backoff_base_s: float = 0.005
     backoff_cap_s: float = 0.2
     pool_wait_s: float = 1.0
+    contention_retry_s: float = 5.0
 
 
 # The monotonic time by which the calls of the current request must be done
@@ -342,6 +351,7 @@ class Database:
         s = self.settings
         sql = tagged(sql, op)
         end = deadline if deadline is not None else _deadline.get()
+        started = time.monotonic()
         attempt = 0
         lost_before = False  # an earlier attempt's statement may have reached the database
         while True:
@@ -385,7 +395,9 @@ class Database:
                         self._emit(op, "connection_retried")
                         lost_before = True
                     delay = self._backoff(attempt)
-                    if attempt >= s.max_attempts:
+                    contended = state in _CONTENTION and (
+                        time.monotonic() + delay - started < s.contention_retry_s)
+                    if attempt >= s.max_attempts and not contended:
                         raise self._gave_up(op, lost_before,
                                             f"gave up after {attempt} attempts: {exc}",
                                             state) from exc
