@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import ExitStack
 from datetime import timedelta
@@ -166,14 +167,14 @@ async def test_contention_is_retried_for_its_window_past_max_attempts(dsn: str) 
             " LANGUAGE plpgsql AS $$ DECLARE n bigint := nextval('tries'); BEGIN"
             " IF n <= fails THEN RAISE EXCEPTION 'contended' USING ERRCODE = state; END IF;"
             " RETURN n; END $$")
-    quick = dict(max_attempts=2, backoff_base_s=0.001, backoff_cap_s=0.002)
-    async with Database(dsn, max_size=2, settings=TxSettings(**quick)) as db:
+    quick = TxSettings(max_attempts=2, backoff_base_s=0.001, backoff_cap_s=0.002)
+    async with Database(dsn, max_size=2, settings=quick) as db:
         assert await db.call("SELECT contended(8, '40001')") == 9
         assert db.stats.serialization_retried == 8
         await db.call("SELECT setval('tries', 1, false)")
         assert await db.call("SELECT contended(5, '40P01')") == 6
         assert db.stats.deadlocks_retried == 5
-    no_window = TxSettings(**quick, contention_retry_s=0)
+    no_window = dataclasses.replace(quick, contention_retry_s=0)
     async with Database(dsn, max_size=2, settings=no_window) as db:
         await db.call("SELECT setval('tries', 1, false)")
         with pytest.raises(Busy, match="gave up after 2 attempts"):
