@@ -376,6 +376,7 @@ def up(**params: Any) -> None:
     the ops listener and the workers, in one process."""
     s = _settings(params)
     _check_listen(s)
+    _check_gc_threshold()
     with _dsn(s.database_url, s.data_dir, create=True) as dsn:
         applied = migrations.migrate(dsn)
         for m in applied:
@@ -399,6 +400,7 @@ def serve(**params: Any) -> None:
     parent process, which aggregates the workers' metrics."""
     s = _settings(params)
     _check_listen(s)
+    _check_gc_threshold()
     with _dsn(s.database_url, s.data_dir) as dsn:
         migrations.migrate(dsn)
         if s.workers == 1:
@@ -408,6 +410,16 @@ def serve(**params: Any) -> None:
         else:
             _serve_processes(dsn, s)
     console.print("pgreserve stopped cleanly")
+
+
+def _check_gc_threshold() -> None:
+    """PGRESERVE_GC_THRESHOLD (http/gc_tuning.py), checked before anything starts."""
+    from .http.gc_tuning import GC_THRESHOLD_ENV, gc_threshold
+
+    try:
+        gc_threshold(os.environ.get(GC_THRESHOLD_ENV))
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def _serve_processes(dsn: str, s: Settings) -> None:
@@ -514,6 +526,10 @@ async def _run(dsn: str, *, http: bool, workers: bool, settings: Settings | None
             waiter = asyncio.create_task(serving_started.wait())
             await asyncio.wait([waiter, tasks[-1]], return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
+            if server.started:
+                from .http.gc_tuning import tune_gc
+
+                tune_gc()  # this process serves the API: its collector is ours to set
             if announce and server.started:
                 url = s.api_url
                 console.print(f"[bold green]pgreserve is up[/] API: {url}  (docs: {url}/docs)",

@@ -14,6 +14,8 @@ import uuid
 from fastapi import FastAPI, Header
 from pydantic import BaseModel
 
+from ..http.gc_tuning import tune_gc
+
 
 class Line(BaseModel):
     sku: str
@@ -27,7 +29,8 @@ class ReserveBody(BaseModel):
 
 
 def create_app() -> FastAPI:
-    """Factory for uvicorn (`factory=True`, as `serve --workers N` runs the service)."""
+    """Factory for uvicorn (`factory=True`, as `serve --workers N` runs the service),
+    with the garbage collector set up as the service's workers set theirs."""
     app = FastAPI(title="bare")
 
     @app.get("/healthz")
@@ -40,4 +43,5 @@ def create_app() -> FastAPI:
         return {"id": str(uuid.uuid4()), "status": "held", "request_key": idempotency_key,
                 "lines": [line.model_dump() for line in body.lines]}
 
+    tune_gc()
     return app

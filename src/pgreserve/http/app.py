@@ -35,6 +35,7 @@ from .admission import DEFAULT_REQUEST_DEADLINE_S, Admission, TenantLimit, check
 from .dependencies import ApiKeyCache, InFlight, known_query_only
 from .exception_handlers import EXCEPTION_HANDLERS
 from .fastpath import FastPath
+from .gc_tuning import tune_gc
 from .metrics import ApiMetrics
 from .middleware import ASGIApp, BodyLimit, ObserveRequests, Receive, Scope, Send
 from .openapi import openapi_schema, operation_id
@@ -359,14 +360,16 @@ def app_from_env() -> FastAPI:
     if not dsn:
         raise RuntimeError("PGRESERVE_DATABASE_URL is not set")
     threshold = os.environ.get("PGRESERVE_PREPARE_THRESHOLD", "5")
-    return create_app(dsn, pool_size=int(os.environ.get("PGRESERVE_POOL_SIZE", "10")),
-                      prepare_threshold=None if threshold.lower() in ("", "none") else
-                      int(threshold),
-                      api_key_cache_s=float(os.environ.get("PGRESERVE_API_KEY_CACHE_SECONDS",
-                                                           DEFAULT_API_KEY_CACHE_S)),
-                      request_log=request_log_from_env(),
-                      legacy_redis_url=os.environ.get("PGRESERVE_LEGACY_REDIS_URL") or None,
-                      **admission_from_env())
+    app = create_app(dsn, pool_size=int(os.environ.get("PGRESERVE_POOL_SIZE", "10")),
+                     prepare_threshold=None if threshold.lower() in ("", "none") else
+                     int(threshold),
+                     api_key_cache_s=float(os.environ.get("PGRESERVE_API_KEY_CACHE_SECONDS",
+                                                          DEFAULT_API_KEY_CACHE_S)),
+                     request_log=request_log_from_env(),
+                     legacy_redis_url=os.environ.get("PGRESERVE_LEGACY_REDIS_URL") or None,
+                     **admission_from_env())
+    tune_gc()  # a process of our own: its collector is ours to set
+    return app
 
 
 def admission_from_env() -> dict[str, Any]:
