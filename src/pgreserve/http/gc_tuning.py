@@ -30,10 +30,11 @@ def tune_gc() -> tuple[int, int, int] | None:
 
     Everything alive now (modules, the app, its routes and models) is frozen out of
     the collector's scans (`gc.freeze`), and a young collection waits for 10,000
-    new container objects instead of 700. A request allocates few objects that
-    outlive it, so under load Python's defaults ran a collection every few dozen
-    requests, each one scanning the whole heap now and then: about a sixth of a
-    worker's CPU per reserve (docs/benchmarks.md). Only the processes pgreserve
+    new container objects instead of 700. The requests in flight keep more than
+    700 objects alive between them, so under load Python's defaults ran a
+    collection every few dozen requests, and a scan of the whole heap now and
+    then, that found no garbage: a request leaves no cycles behind. That was
+    about a sixth of a worker's CPU per reserve (docs/benchmarks.md). Only the processes pgreserve
     starts itself call this (`up`, `serve` and its workers), never `create_app`:
     a host application keeps its own settings. PGRESERVE_GC_THRESHOLD=off leaves
     Python's defaults.
