@@ -174,6 +174,8 @@ async def test_contention_is_retried_for_its_window_past_max_attempts(dsn: str) 
         await db.call("SELECT setval('tries', 1, false)")
         assert await db.call("SELECT contended(5, '40P01')") == 6
         assert db.stats.deadlocks_retried == 5
+        # a window's retries may run to thousands: the backoff stays under its cap
+        assert 0 <= db._backoff(5000) <= quick.backoff_cap_s
     no_window = dataclasses.replace(quick, contention_retry_s=0)
     async with Database(dsn, max_size=2, settings=no_window) as db:
         await db.call("SELECT setval('tries', 1, false)")

@@ -292,8 +292,10 @@ class Database:
     def _backoff(self, attempt: int) -> float:
         """The jittered wait before retry number `attempt` (1-based)."""
         s = self.settings
+        # (the exponent stops growing long before the cap: retries under the
+        # contention window may run to hundreds, and 2.0 ** 1024 overflows)
         return random.uniform(  # noqa: S311 - jitter, no secret
-            0, min(s.backoff_cap_s, s.backoff_base_s * 2 ** (attempt - 1)))
+            0, min(s.backoff_cap_s, s.backoff_base_s * 2.0 ** min(attempt - 1, 60)))
 
     def _emit(self, op: Op | None, event: str) -> None:
         if self.observer is not None:
