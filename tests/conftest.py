@@ -3,6 +3,7 @@ PGRESERVE_TEST_PG_BIN names), a migrated template, a fresh database per test."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import shutil
@@ -36,6 +37,7 @@ _counter = itertools.count()
 
 # Tests do not test durability against power loss; fault tests that crash the
 # server rely on WAL replay, which works with fsync off as long as the OS stays up.
+DEFAULT_COLLECTOR = gc.get_threshold()
 TEST_SETTINGS = {"fsync": "off", "full_page_writes": "off", "synchronous_commit": "off"}
 
 # An installed server's bin directory (e.g. /usr/lib/postgresql/15/bin): the session's
@@ -53,6 +55,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
+
+
+@pytest.fixture(autouse=True)
+def collector_untouched() -> Iterator[None]:
+    """No test leaves this process's garbage collector frozen or retuned (tune_gc is
+    for the processes that serve the API; tests that check it run it elsewhere)."""
+    yield
+    assert gc.get_freeze_count() == 0, "a test froze the test process's heap"
+    assert gc.get_threshold() == DEFAULT_COLLECTOR, gc.get_threshold()
 
 
 @pytest.fixture(scope="session")

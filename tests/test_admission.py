@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 from contextlib import ExitStack
 from datetime import timedelta
@@ -176,6 +177,20 @@ async def test_contention_is_retried_for_its_window_past_max_attempts(dsn: str) 
         assert db.stats.deadlocks_retried == 5
         # a window's retries may run to thousands: the backoff stays under its cap
         assert 0 <= db._backoff(5000) <= quick.backoff_cap_s
+    short_window = dataclasses.replace(quick, contention_retry_s=0.3)
+    async with Database(dsn, max_size=2, settings=short_window) as db:
+        started = time.monotonic()
+        with pytest.raises(Busy, match="gave up after") as refused:
+            await db.call("SELECT contended(1000000, '40001')")  # without a deadline
+        assert 0.3 <= time.monotonic() - started < 5
+        attempts = int(str(refused.value).split("gave up after ")[1].split()[0])
+        assert attempts > 2 and db.stats.serialization_retried == attempts
+    async with Database(dsn, max_size=2, settings=quick) as db:
+        # a group-commit batch's session keeps max_attempts alone (its queue waits)
+        await db.call("SELECT setval('tries', 1, false)")
+        async with db.session() as session:
+            with pytest.raises(Busy, match="gave up after 2 attempts"):
+                await db.call("SELECT contended(8, '40001')", session=session)
     no_window = dataclasses.replace(quick, contention_retry_s=0)
     async with Database(dsn, max_size=2, settings=no_window) as db:
         await db.call("SELECT setval('tries', 1, false)")
@@ -337,6 +352,7 @@ def test_the_admission_options_come_from_the_environment(
     from pgreserve.http.app import app_from_env
 
     monkeypatch.setenv("PGRESERVE_DATABASE_URL", dsn)
+    monkeypatch.setenv("PGRESERVE_GC_THRESHOLD", "off")  # this process keeps its collector
     monkeypatch.setenv("PGRESERVE_REQUEST_DEADLINE_SECONDS", "2.5")
     monkeypatch.setenv("PGRESERVE_TENANT_MAX_IN_FLIGHT", "3")
     monkeypatch.setenv("PGRESERVE_PGBOUNCER_ADMIN_URL", "postgresql://u@127.0.0.1:1/pgbouncer")

@@ -39,9 +39,11 @@ def test_the_setting_is_read(value: str | None, expected: tuple[int, int, int] |
 
 
 @pytest.mark.parametrize("value", ["10000", "1,2,3,4", "0,10,10", "-5,10,10", "a,b,c",
-                                   "1.5,10,10", "99999999,10,10"])
+                                   "1.5,10,10", "99999999,10,10", "\u00b2,10,10",
+                                   "\u0661\u0660,10,10"])
 def test_a_malformed_setting_is_refused_with_its_name(value: str) -> None:
-    with pytest.raises(ValueError, match=f"{GC_THRESHOLD_ENV} must be 'off' or three"):
+    with pytest.raises(ValueError, match=f"{GC_THRESHOLD_ENV} must be 'off' or three integers "
+                                         "from 1 to 10,000,000"):
         gc_threshold(value)
 
 
@@ -82,3 +84,18 @@ def test_a_malformed_setting_stops_the_server_before_anything_starts(
     assert result.returncode == 1, result.stderr
     assert GC_THRESHOLD_ENV in result.stderr and "Traceback" not in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_http_refuses_a_malformed_setting_before_starting_a_server(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both servers of `bench http` read PGRESERVE_GC_THRESHOLD: a malformed value is one
+    line and exit 1 before any database or server starts (their workers would crash)."""
+    from click.testing import CliRunner
+
+    from pgreserve.bench.cli import bench
+
+    monkeypatch.setenv(GC_THRESHOLD_ENV, "lots")
+    result = CliRunner().invoke(bench, ["http", "--seconds", "1"])
+    assert result.exit_code == 1, result.output
+    assert GC_THRESHOLD_ENV in result.output and "embedded PostgreSQL" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)

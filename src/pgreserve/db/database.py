@@ -62,7 +62,9 @@ class TxSettings:
     least this long from the call's start, even past `max_attempts`, and never
     past the call's deadline. Under a sale's load one bucket row is rarely
     free, and a count of attempts alone runs out within a few hundred
-    milliseconds; 0 leaves `max_attempts` the only bound.
+    milliseconds; 0 leaves `max_attempts` the only bound. A group-commit
+    batch (a call on a `Session`) keeps `max_attempts` alone: while it
+    retries, its bucket's queue waits.
     """
 
     lock_timeout_ms: int = 2000
@@ -397,7 +399,9 @@ class Database:
                         self._emit(op, "connection_retried")
                         lost_before = True
                     delay = self._backoff(attempt)
-                    contended = state in _CONTENTION and (
+                    # (a batch's session keeps max_attempts: its retries hold
+                    # the bucket's queue, whose requests have deadlines of their own)
+                    contended = state in _CONTENTION and session is None and (
                         time.monotonic() + delay - started < s.contention_retry_s)
                     if attempt >= s.max_attempts and not contended:
                         raise self._gave_up(op, lost_before,

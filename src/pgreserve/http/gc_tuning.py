@@ -8,6 +8,7 @@ import os
 # The serving processes' cyclic garbage collector (`tune_gc`).
 GC_THRESHOLD_ENV = "PGRESERVE_GC_THRESHOLD"
 DEFAULT_GC_THRESHOLD = (10_000, 10, 10)
+MAX_THRESHOLD = 10_000_000
 
 
 def gc_threshold(value: str | None) -> tuple[int, int, int] | None:
@@ -19,9 +20,10 @@ def gc_threshold(value: str | None) -> tuple[int, int, int] | None:
     if text == "off":
         return None
     parts = [p.strip() for p in text.split(",")]
-    if len(parts) != 3 or not all(p.isdigit() and 0 < int(p) <= 10_000_000 for p in parts):
-        raise ValueError(f"{GC_THRESHOLD_ENV} must be 'off' or three positive integers "
-                         f"such as '10000,10,10', not {value!r}")
+    if len(parts) != 3 or not all(p.isascii() and p.isdecimal() and 0 < int(p) <= MAX_THRESHOLD
+                                  for p in parts):
+        raise ValueError(f"{GC_THRESHOLD_ENV} must be 'off' or three integers from 1 to "
+                         f"{MAX_THRESHOLD:,} such as '10000,10,10', not {value!r}")
     return int(parts[0]), int(parts[1]), int(parts[2])
 
 
@@ -37,10 +39,11 @@ def tune_gc() -> tuple[int, int, int] | None:
     about a sixth of a worker's CPU per reserve (docs/benchmarks.md). Only the processes pgreserve
     starts itself call this (`up`, `serve` and its workers), never `create_app`:
     a host application keeps its own settings. PGRESERVE_GC_THRESHOLD=off leaves
-    Python's defaults.
+    Python's defaults; a malformed value raises ValueError naming it.
     """
     threshold = gc_threshold(os.environ.get(GC_THRESHOLD_ENV))
     if threshold is not None:
+        gc.collect()  # what is garbage already is freed, not frozen for good
         gc.freeze()
         gc.set_threshold(*threshold)
     return threshold
