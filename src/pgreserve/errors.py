@@ -27,6 +27,13 @@ class UnknownTenant(PgReserveError):
     code = "unknown_tenant"
 
 
+class ApiKeyRefused(PgReserveError):
+    """The API key an operation was to check in its own transaction is not an active key
+    of the tenant (revoked, or never issued to it); nothing was done."""
+
+    code = "api_key_refused"
+
+
 class UnknownStock(PgReserveError):
     """A line names a (sku, location) bucket this tenant does not have."""
 

@@ -133,6 +133,16 @@ def request_key(value: Any) -> str:
     return name(value, "request_key")
 
 
+def api_key_hash(value: Any) -> bytes | None:
+    """An API key's SHA-256 (apikeys.hash_key: 32 bytes), or None."""
+    if value is None:
+        return None
+    if type(value) is not bytes or len(value) != 32:
+        raise InvalidRequest("api_key_hash must be the 32-byte SHA-256 of an API key "
+                             "(apikeys.hash_key)", field="api_key_hash")
+    return value
+
+
 def tenant_id(value: Any) -> int:
     return integer(value, "tenant", 1, 2**63 - 1)
 

@@ -71,6 +71,9 @@ class BatchRequest:
     reservation_id: uuid.UUID | None = None
     reference: str | None = None  # a reserve's reference and metadata (None: none)
     metadata: dict[str, str] | None = None
+    # the SHA-256 of the API key its caller presented, to check in the batch's own
+    # transaction (None: the caller was checked before)
+    api_key: bytes | None = None
 
 
 @dataclass
@@ -221,9 +224,13 @@ class Combiner:
                          session: Session) -> None:
         tenant, bucket = key
         requests = [r for r, _, _ in batch]
+        # requests that bring an API key to check go through the keyed function
+        keyed = any(r.api_key is not None for r in requests)
+        sql = queries["bucket_batch_keyed"] if keyed else queries["bucket_batch"]
+        api_keys = (lit.nullable_bytea_array(r.api_key for r in requests),) if keyed else ()
         try:
-            answers = await self.db.call(queries["bucket_batch"], (
-                tenant, bucket,
+            answers = await self.db.call(sql, (
+                *api_keys, tenant, bucket,
                 lit.text_array(r.kind for r in requests),
                 lit.nullable_text_array(r.key for r in requests),
                 lit.nullable_text_array(r.digest for r in requests),

@@ -387,6 +387,17 @@ class ReservationService:
                                    op=OPS["authenticate"])
         return {bytes(digest): int(tenant) for digest, tenant in rows}
 
+    async def _check_api_key(self, tenant: int, api_key_hash: bytes | None) -> None:
+        """ApiKeyRefused unless the key of this hash is an active key of `tenant` (None:
+        nothing to check)."""
+        if api_key_hash is None:
+            return
+        found = await self.tenants_for_api_key_hashes([api_key_hash])
+        if found.get(api_key_hash) != tenant:
+            from ..errors import ApiKeyRefused
+
+            raise ApiKeyRefused("unknown API key")
+
     async def tenant_by_name(self, name: str) -> Tenant | None:
         rows = await self.db.fetch(queries["tenant_find_by_name"], (name,),
                                    op=OPS["tenant_lookup"])
@@ -558,7 +569,8 @@ class ReservationService:
                       ttl: timedelta | float = DEFAULT_TTL,
                       conn: psycopg.AsyncConnection[Any] | None = None,
                       reference: str | None = None,
-                      metadata: dict[str, str] | None = None) -> ReserveOutcome:
+                      metadata: dict[str, str] | None = None,
+                      api_key_hash: bytes | None = None) -> ReserveOutcome:
         """Hold every line of a cart, or none of them.
 
         The outcome (held or rejected) is stored under the request key: the
@@ -572,11 +584,18 @@ class ReservationService:
 
         `conn`: run it on this connection, inside its open transaction (see
         `_call`): the hold commits or rolls back with the caller's own writes.
+
+        `api_key_hash` (apikeys.hash_key of the key the caller presented): refuse
+        the request with ApiKeyRefused, doing nothing, unless that key is an active
+        key of `tenant` when the request runs. A batched reserve checks it in its
+        batch's own transaction (no read of its own); any other first reads it.
         """
         tenant = check.tenant_id(tenant)
         key = check.request_key(request_key)
         lines = check.line_list(lines)
+        checked = check.api_key_hash(api_key_hash)
         if check.allocates(lines):
+            await self._check_api_key(tenant, checked)
             return await self._reserve_allocated(tenant, key, lines, ttl, conn, reference,
                                                  metadata)
         cart = check.cart(lines)  # sorted by (sku, location): the lock order
@@ -586,9 +605,10 @@ class ReservationService:
         started = perf_counter()
         if conn is None and self.combiner is not None and len(cart) == 1:
             outcome = await self._reserve_batched(tenant, key, fingerprint, cart[0], life,
-                                                  started, ref, meta)
+                                                  started, ref, meta, checked)
             if outcome is not None:
                 return outcome
+        await self._check_api_key(tenant, checked)  # not decided in a batch: read it
         return await self._reserve_call(
             queries["reservation_reserve"], queries["reservation_reserve_in"],
             (tenant, key, fingerprint, lit.text_array(x.sku for x in cart),
@@ -1105,8 +1125,8 @@ class ReservationService:
 
     async def _reserve_batched(self, tenant: int, key: str, fingerprint: str, line: Line,
                                life: timedelta, started: float, reference: str | None = None,
-                               metadata: dict[str, str] | None = None
-                               ) -> ReserveOutcome | None:
+                               metadata: dict[str, str] | None = None,
+                               api_key: bytes | None = None) -> ReserveOutcome | None:
         """A one-line reserve through its bucket's combiner; None: send it unbatched."""
         combiner = self.combiner
         if combiner is None:
@@ -1117,7 +1137,7 @@ class ReservationService:
         try:
             doc = _batch_answer(await combiner.submit(tenant, bucket, BatchRequest(
                 "reserve", key=key, digest=fingerprint, quantity=line.quantity, ttl=life,
-                reference=reference, metadata=metadata or None)))
+                reference=reference, metadata=metadata or None, api_key=api_key)))
         except Exception as exc:
             self._observe("reserve", _failure(exc), started)
             raise

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 _SQLSTATE_ERRORS: dict[str, type[errors.PgReserveError]] = {
     "PR400": errors.InvalidRequest,
     "PR401": errors.UnknownTenant,
+    "PR403": errors.ApiKeyRefused,
     "PR404": errors.UnknownStock,
     "PR410": errors.ReservationNotFound,
     "PR412": errors.WouldOversell,

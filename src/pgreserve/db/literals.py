@@ -44,3 +44,9 @@ def nullable_text_array(values: Iterable[str | None]) -> str:
 def nullable_int_array(values: Iterable[int | None]) -> str:
     """`{1,NULL}` from Python ints and None."""
     return "{" + ",".join("NULL" if v is None else str(int(v)) for v in values) + "}"
+
+
+def nullable_bytea_array(values: Iterable[bytes | None]) -> str:
+    """`{"\\x0a1b",NULL}`: bytea elements in hex form, None as an SQL NULL element."""
+    return "{" + ",".join("NULL" if v is None else '"\\\\x' + v.hex() + '"'
+                          for v in values) + "}"

@@ -38,7 +38,13 @@ from starlette.requests import Request
 from .. import errors
 from ..domain import MAX_LINES, MAX_NAME, MAX_QUANTITY
 from . import problems
-from .dependencies import Caller, authenticate, request_key
+from .dependencies import (
+    Caller,
+    authenticate,
+    authenticate_in_batch,
+    refused_in_batch,
+    request_key,
+)
 from .middleware import ASGIApp, Receive, Scope, Send, replaying
 from .models import MAX_TTL_SECONDS
 from .routes import reservations
@@ -182,9 +188,14 @@ class FastPath:
             scope["route"] = self.claim_route if operation == "claim" else self.release_route
         state = self.api.state
         state.fast_path_served += 1
+        bearer = None if authorization is None else authorization.decode("latin-1")
+        digest: bytes | None = None
         try:
-            tenant = await authenticate(
-                state, scope, None if authorization is None else authorization.decode("latin-1"))
+            if cart is not None and state.rollout is None:
+                # a key accepted before is checked in the reserve's own batch
+                tenant, digest = await authenticate_in_batch(state, scope, bearer)
+            else:
+                tenant = await authenticate(state, scope, bearer)
             svc = state.service
             caller = Caller(tenant, svc, state.inflight, state.metrics, state.rollout or svc)
             header = None if key is None else key.decode("latin-1")
@@ -192,19 +203,28 @@ class FastPath:
                 response = await self.transition(caller, operation or "", reservation_id,
                                                  header)
             else:
-                response = await self.reserve(caller, header, cart, scope)
+                response = await self.reserve(caller, header, cart, scope, digest)
+        except errors.ApiKeyRefused:
+            assert digest is not None
+            response = problems.error_response(refused_in_batch(state, scope, digest))
         except errors.PgReserveError as exc:
             response = problems.error_response(exc)
         await response(scope, receive, send)
 
     async def reserve(self, caller: Caller, header: str | None,
-                      cart: tuple[list[tuple[str, str, int]], int], scope: Scope) -> Any:
-        """What routes.reservations.reserve does once FastAPI has validated the body."""
+                      cart: tuple[list[tuple[str, str, int]], int], scope: Scope,
+                      api_key_hash: bytes | None = None) -> Any:
+        """What routes.reservations.reserve does once FastAPI has validated the body;
+        `api_key_hash`: the key still to be checked where the reserve runs."""
         key = request_key(header, required=True)
         assert key is not None
         lines, ttl = cart
         async with caller.keys.hold(caller.tenant, key):
-            outcome = await caller.holds.reserve(caller.tenant, key, lines, ttl=ttl)
+            if api_key_hash is None:
+                outcome = await caller.holds.reserve(caller.tenant, key, lines, ttl=ttl)
+            else:
+                outcome = await caller.service.reserve(caller.tenant, key, lines, ttl=ttl,
+                                                       api_key_hash=api_key_hash)
         counted = (outcome.held, outcome.replayed)
         child = self._outcomes.get(counted)
         if child is None:

@@ -95,6 +95,7 @@ class InternalError(errors.PgReserveError):
 STATUS: dict[type[errors.PgReserveError], tuple[int, str]] = {
     errors.InvalidRequest: (422, "Invalid request"),
     errors.UnknownTenant: (401, "Unauthorized"),
+    errors.ApiKeyRefused: (401, "Unauthorized"),
     errors.UnknownStock: (404, "Unknown stock"),
     errors.ReservationNotFound: (404, "Reservation not found"),
     errors.WebhookNotFound: (404, "Webhook not found"),

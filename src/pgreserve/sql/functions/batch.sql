@@ -583,3 +583,62 @@ BEGIN
                          WHERE l.tenant_id = p_tenant AND l.bucket_id = p_bucket
                            AND l.held AND l.expires_at <= p_now);
 END $$;
+
+-- bucket_batch_v1 for requests that bring the API key their caller presented
+-- (p_api_keys[i]: its SHA-256, or NULL when the caller was checked before).
+-- Each key is checked here, in the batch's own transaction, which starts after
+-- every request of it arrived: a key revoked before its request, or never
+-- issued to this tenant, is answered {"error": "PR403"} and its request takes
+-- no part in the batch (nothing is written or replayed for it). The others go
+-- to bucket_batch_v1 in their order; the HTTP API saves the key's own read this
+-- way once it has seen the key accepted.
+CREATE OR REPLACE FUNCTION bucket_batch_keyed_v1(p_api_keys bytea[], p_tenant bigint,
+                                                 p_bucket bigint, p_kinds text[],
+                                                 p_keys text[], p_digests text[],
+                                                 p_quantities integer[], p_ttls interval[],
+                                                 p_ids uuid[], p_now timestamptz DEFAULT NULL,
+                                                 p_references text[] DEFAULT NULL,
+                                                 p_metadata jsonb[] DEFAULT NULL)
+RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    v_ok boolean[];
+    v_kept integer[];
+    v_out jsonb;
+BEGIN
+    IF cardinality(p_api_keys) IS DISTINCT FROM cardinality(p_kinds) THEN
+        RAISE EXCEPTION 'one API key (or NULL) per request' USING ERRCODE = 'PR400';
+    END IF;
+    SELECT array_agg(u.h IS NULL OR k.key_hash IS NOT NULL ORDER BY u.n)
+    INTO v_ok
+    FROM unnest(p_api_keys) WITH ORDINALITY AS u(h, n)
+    LEFT JOIN api_key k ON k.key_hash = u.h AND k.tenant_id = p_tenant
+                       AND k.revoked_at IS NULL;
+    IF true = ALL (v_ok) THEN
+        RETURN bucket_batch_v1(p_tenant, p_bucket, p_kinds, p_keys, p_digests, p_quantities,
+                               p_ttls, p_ids, p_now, p_references, p_metadata);
+    END IF;
+    SELECT array_agg(n ORDER BY n) INTO v_kept
+    FROM unnest(v_ok) WITH ORDINALITY AS u(ok, n) WHERE ok;
+    IF v_kept IS NOT NULL THEN
+        v_out := bucket_batch_v1(
+            p_tenant, p_bucket,
+            ARRAY(SELECT p_kinds[n] FROM unnest(v_kept) WITH ORDINALITY AS u(n, o) ORDER BY o),
+            ARRAY(SELECT p_keys[n] FROM unnest(v_kept) WITH ORDINALITY AS u(n, o) ORDER BY o),
+            ARRAY(SELECT p_digests[n] FROM unnest(v_kept) WITH ORDINALITY AS u(n, o) ORDER BY o),
+            ARRAY(SELECT p_quantities[n] FROM unnest(v_kept) WITH ORDINALITY AS u(n, o)
+                  ORDER BY o),
+            ARRAY(SELECT p_ttls[n] FROM unnest(v_kept) WITH ORDINALITY AS u(n, o) ORDER BY o),
+            ARRAY(SELECT p_ids[n] FROM unnest(v_kept) WITH ORDINALITY AS u(n, o) ORDER BY o),
+            p_now,
+            ARRAY(SELECT p_references[n] FROM unnest(v_kept) WITH ORDINALITY AS u(n, o)
+                  ORDER BY o),
+            ARRAY(SELECT p_metadata[n] FROM unnest(v_kept) WITH ORDINALITY AS u(n, o)
+                  ORDER BY o));
+    END IF;
+    -- the answers back in the requests' places, a refusal for each refused key
+    RETURN (SELECT jsonb_agg(CASE WHEN u.ok THEN v_out -> (u.rank - 1)
+                                  ELSE '{"error": "PR403", "message": "unknown API key"}'::jsonb
+                             END ORDER BY u.n)
+            FROM (SELECT ok, n, count(*) FILTER (WHERE ok) OVER (ORDER BY n)::integer AS rank
+                  FROM unnest(v_ok) WITH ORDINALITY AS x(ok, n)) u);
+END $$;

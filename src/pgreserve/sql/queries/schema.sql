@@ -97,7 +97,8 @@ BEGIN
                             AND d.deptype = 'e')
           AND p.proname = ANY (ARRAY[
               'bucket_backorder_give_back_v1', 'bucket_backorder_take_v1',
-              'bucket_apply_on_hand_v1', 'bucket_batch_look_v1', 'bucket_batch_v1',
+              'bucket_apply_on_hand_v1', 'bucket_batch_keyed_v1', 'bucket_batch_look_v1',
+              'bucket_batch_v1',
               'bucket_give_back_v1', 'bucket_lock_exclusive_v1', 'bucket_reclaim_expired_v1',
               'bucket_take_v1', 'bucket_untake_v1', 'bucket_view_v1', 'cart_limit_refusal_v1',
               'change_v1', 'claim_v1', 'expire_due_v1', 'extend_v1', 'extend_v2', 'freeze_doc_v1', 'freeze_lift_v1',
