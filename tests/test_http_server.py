@@ -28,6 +28,7 @@ def test_api_server_selects_uvloop_and_httptools() -> None:
 def test_serve_workers_selects_uvloop_and_httptools(monkeypatch: pytest.MonkeyPatch) -> None:
     """`serve --workers N` hands uvicorn the app factory with uvloop, httptools and N processes."""
     monkeypatch.setenv("PGRESERVE_DATABASE_URL", "postgresql:///unused")
+    monkeypatch.setenv("PGRESERVE_GC_THRESHOLD", "off")  # load() runs the factory here
     config = uvicorn.Config(**server.workers_options("127.0.0.1", free_port(), 2))
     config.load()
     assert (config.loop, config.http, config.workers) == ("uvloop", "httptools", 2)

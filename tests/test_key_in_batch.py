@@ -90,9 +90,10 @@ async def test_the_batch_refuses_each_bad_key_alone_and_serves_the_rest(
 @pytest.mark.parametrize("batching", [True, False])
 async def test_the_service_checks_the_key_where_the_reserve_runs(
         db: Database, dsn: str, batching: bool) -> None:
-    """reserve(api_key_hash=): an active key of the tenant holds; a revoked key, or one of
-    another tenant, is ApiKeyRefused with nothing stored under the request key, batched or
-    not, and for a two-line cart (never batched); a malformed hash is InvalidRequest."""
+    """reserve, claim and release (api_key_hash=): an active key of the tenant is served;
+    a revoked key, or one of another tenant, is ApiKeyRefused with nothing stored under
+    the request key and the reservation as it was, batched or not, and for a two-line
+    cart (never batched); a malformed hash is InvalidRequest."""
     svc = ReservationService(db, batching=batching)
     tenant, key = await svc.create_tenant_with_key("shop")
     _, other = await svc.create_tenant_with_key("other")
@@ -105,9 +106,18 @@ async def test_the_service_checks_the_key_where_the_reserve_runs(
                       (apikeys.hash_key(other), [("s", "w", 1), ("t", "w", 1)])):
         with pytest.raises(ApiKeyRefused):
             await svc.reserve(tenant.id, f"bad-{len(cart)}", cart, api_key_hash=bad)
+    assert held.reservation is not None
+    rid = held.reservation.id
+    for operation in (svc.claim, svc.release):
+        with pytest.raises(ApiKeyRefused):
+            await operation(tenant.id, rid, request_key="t-bad",
+                            api_key_hash=apikeys.hash_key(other))
+    assert (await svc.get_reservation(tenant.id, rid)).status.value == "active"
     await svc.revoke_api_key(tenant.id, apikeys.shown_prefix(key))
     with pytest.raises(ApiKeyRefused):
         await svc.reserve(tenant.id, "k1", [("s", "w", 1)], api_key_hash=good)  # no replay
+    with pytest.raises(ApiKeyRefused):
+        await svc.claim(tenant.id, rid, api_key_hash=good)
     with pytest.raises(InvalidRequest, match="api_key_hash"):
         await svc.reserve(tenant.id, "k2", [("s", "w", 1)], api_key_hash=b"short")
     assert ledger_keys(dsn) == {"k1"}
@@ -154,10 +164,23 @@ async def test_an_accepted_key_is_not_read_again_and_a_revoked_one_is_refused(
     await svc.set_stock(tenant.id, "s", "w", 100)
     first = await reserve(client, key, "k0")
     assert first.status_code == 201 and svc.reads == 1
+    ids = [first.json()["id"]]
     for i in range(1, 6):
-        assert (await reserve(client, key, f"k{i}")).status_code == 201
-    assert svc.reads == 1  # the five were checked in their batches
+        held = await reserve(client, key, f"k{i}")
+        assert held.status_code == 201
+        ids.append(held.json()["id"])
+    auth = {"Authorization": f"Bearer {key}"}
+    assert (await client.post(f"/v1/reservations/{ids[0]}/claim", headers=auth)
+            ).status_code == 200
+    assert (await client.post(f"/v1/reservations/{ids[1]}/release",
+                              headers={**auth, "Idempotency-Key": "rel-1"})).status_code == 200
+    assert svc.reads == 1  # the five reserves, the claim and the release: in their batches
     await svc.revoke_api_key(tenant.id, apikeys.shown_prefix(key))
+    claim = await client.post(f"/v1/reservations/{ids[2]}/claim",
+                              headers={**auth, "Idempotency-Key": "claim-2"})
+    assert claim.status_code == 401 and claim.json()["code"] == "unauthorized"
+    assert "claim-2" not in ledger_keys(dsn)
+    assert (await svc.get_reservation(tenant.id, ids[2])).status.value == "active"
     refused = await reserve(client, key, "after-revoke")
     unknown = await reserve(client, apikeys.new_key(), "unknown-key")
     assert refused.status_code == unknown.status_code == 401
@@ -169,7 +192,7 @@ async def test_an_accepted_key_is_not_read_again_and_a_revoked_one_is_refused(
     assert again.status_code == 401 and svc.reads == reads + 1
     replay = await reserve(client, key, "k1")  # a stored answer is not given to it
     assert replay.status_code == 401
-    assert (await svc.get_stock(tenant.id, "s", "w")).reserved == 6
+    assert (await svc.get_stock(tenant.id, "s", "w")).reserved == 4  # one sold, one back
 
 
 async def test_a_revoked_key_in_a_batch_is_refused_and_the_others_are_held(

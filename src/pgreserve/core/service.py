@@ -701,14 +701,19 @@ class ReservationService:
 
     async def claim(self, tenant: int, reservation_id: str | uuid.UUID, *,
                     request_key: str | None = None,
-                    conn: psycopg.AsyncConnection[Any] | None = None) -> Reservation:
+                    conn: psycopg.AsyncConnection[Any] | None = None,
+                    api_key_hash: bytes | None = None) -> Reservation:
         """Payment succeeded: deduct the held units for good. Repeating it changes nothing.
 
-        `conn`: run it on this connection, inside its open transaction (see `_call`)."""
+        `conn`: run it on this connection, inside its open transaction (see `_call`).
+        `api_key_hash`: as for `reserve`, the key is checked where the claim runs."""
+        checked = check.api_key_hash(api_key_hash)
         if conn is None and self.combiner is not None:
-            done = await self._transition_batched("claim", tenant, reservation_id, request_key)
+            done = await self._transition_batched("claim", tenant, reservation_id, request_key,
+                                                  checked)
             if done is not None:
                 return done
+        await self._check_api_key(tenant, checked)  # not decided in a batch: read it
         if request_key is not None:
             return await self._keyed(tenant, request_key, "claim", reservation_id, None,
                                      conn=conn)
@@ -718,15 +723,19 @@ class ReservationService:
 
     async def release(self, tenant: int, reservation_id: str | uuid.UUID, *,
                       request_key: str | None = None,
-                      conn: psycopg.AsyncConnection[Any] | None = None) -> Reservation:
+                      conn: psycopg.AsyncConnection[Any] | None = None,
+                      api_key_hash: bytes | None = None) -> Reservation:
         """Payment failed: give the units back, once. Repeating it changes nothing.
 
-        `conn`: run it on this connection, inside its open transaction (see `_call`)."""
+        `conn`: run it on this connection, inside its open transaction (see `_call`).
+        `api_key_hash`: as for `reserve`, the key is checked where the release runs."""
+        checked = check.api_key_hash(api_key_hash)
         if conn is None and self.combiner is not None:
             done = await self._transition_batched("release", tenant, reservation_id,
-                                                  request_key)
+                                                  request_key, checked)
             if done is not None:
                 return done
+        await self._check_api_key(tenant, checked)  # not decided in a batch: read it
         if request_key is not None:
             return await self._keyed(tenant, request_key, "release", reservation_id, None,
                                      conn=conn)
@@ -1152,7 +1161,8 @@ class ReservationService:
 
     async def _transition_batched(self, action: str, tenant: int,
                                   reservation_id: str | uuid.UUID,
-                                  request_key: str | None) -> Reservation | None:
+                                  request_key: str | None,
+                                  api_key: bytes | None = None) -> Reservation | None:
         """A claim or release of a one-line reservation through its bucket's combiner;
         None: send it unbatched."""
         combiner = self.combiner
@@ -1169,7 +1179,7 @@ class ReservationService:
             doc = _batch_answer(await combiner.submit(tenant, bucket, BatchRequest(
                 action, key=key,
                 digest=digest(action, {"id": str(rid)}) if key is not None else None,
-                reservation_id=rid)))
+                reservation_id=rid, api_key=api_key)))
         except Exception as exc:
             self._observe(action, _failure(exc), started)
             raise

@@ -191,8 +191,8 @@ class FastPath:
         bearer = None if authorization is None else authorization.decode("latin-1")
         digest: bytes | None = None
         try:
-            if cart is not None and state.rollout is None:
-                # a key accepted before is checked in the reserve's own batch
+            if state.rollout is None:
+                # a key accepted before is checked in the operation's own batch
                 tenant, digest = await authenticate_in_batch(state, scope, bearer)
             else:
                 tenant = await authenticate(state, scope, bearer)
@@ -201,7 +201,7 @@ class FastPath:
             header = None if key is None else key.decode("latin-1")
             if cart is None:
                 response = await self.transition(caller, operation or "", reservation_id,
-                                                 header)
+                                                 header, digest)
             else:
                 response = await self.reserve(caller, header, cart, scope, digest)
         except errors.ApiKeyRefused:
@@ -234,12 +234,20 @@ class FastPath:
         return reservations.reserve_response(outcome, Request(scope))
 
     async def transition(self, caller: Caller, operation: str, reservation_id: str,
-                         header: str | None) -> Any:
-        """What routes.reservations.claim and release do."""
-        holds = caller.holds
-        run = holds.claim if operation == "claim" else holds.release
+                         header: str | None, api_key_hash: bytes | None = None) -> Any:
+        """What routes.reservations.claim and release do; `api_key_hash`: the key still
+        to be checked where the operation runs."""
+        if api_key_hash is None:
+            holds = caller.holds
+            run = holds.claim if operation == "claim" else holds.release
+            return await reservations.transition(
+                operation, lambda key: run(caller.tenant, reservation_id, request_key=key),
+                caller, header)
+        svc = caller.service
+        checked = svc.claim if operation == "claim" else svc.release
         return await reservations.transition(
-            operation, lambda key: run(caller.tenant, reservation_id, request_key=key),
+            operation, lambda key: checked(caller.tenant, reservation_id, request_key=key,
+                                           api_key_hash=api_key_hash),
             caller, header)
 
 

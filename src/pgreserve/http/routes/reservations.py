@@ -133,6 +133,8 @@ async def transition(operation: str, run: Callable[[str | None], Awaitable[Reser
     try:
         async with hold:
             r = await run(key)
+    except errors.ApiKeyRefused:
+        raise  # a 401, as a key refused before the operation: not a transition's result
     except errors.PgReserveError as exc:
         metrics.http_transitions.labels(operation, exc.code).inc()
         raise
