@@ -242,16 +242,34 @@ async def authenticate(state: Any, scope: MutableMapping[str, Any],
     """tenant_id for an app's `state` and a request's scope and Authorization header
     (the hot routes' fast path calls it too): 401 when missing or unknown, 503 while
     the pool is not open, 429 over the tenant's in-flight limit."""
+    credentials = bearer_key(authorization)
+    return admitted(scope, await accepted_tenant(state, credentials))
+
+
+def bearer_key(authorization: str | None) -> str:
+    """The API key of an Authorization header; 401 when it names none."""
     scheme, _, credentials = (authorization or "").partition(" ")
     credentials = credentials.strip()
     if scheme.lower() != "bearer" or not credentials:
         raise problems.Unauthorized("send an API key as 'Authorization: Bearer <key>'")
+    return credentials
+
+
+async def accepted_tenant(state: Any, credentials: str) -> int:
+    """The tenant the database (or the key cache) accepts this key for; 503 while the
+    pool is not open, 401 for an unknown or revoked key."""
     keys: ApiKeyCache = state.api_keys
     tenant = await keys.tenant(service_of(state), credentials)
     if tenant is None:
         raise problems.Unauthorized("unknown API key")
-    admission.admit(tenant)  # 429 over the tenant's in-flight limit
-    scope[TENANT_KEY] = tenant  # for the request log line
+    return tenant
+
+
+def admitted(scope: MutableMapping[str, Any], tenant: int) -> int:
+    """Count the request against its tenant (429 over the in-flight limit) and name the
+    tenant for the request log line."""
+    admission.admit(tenant)
+    scope[TENANT_KEY] = tenant
     return tenant
 
 
@@ -261,16 +279,13 @@ async def authenticate_in_batch(state: Any, scope: MutableMapping[str, Any],
     database accepted before (ApiKeyCache.hint), its tenant at once and the key's hash,
     which the operation must check in its own transaction (api_key_hash=); for any
     other key, `authenticate`'s answer and None."""
-    scheme, _, credentials = (authorization or "").partition(" ")
-    hinted = (state.api_keys.hint(credentials.strip())
-              if scheme.lower() == "bearer" else None)
+    credentials = bearer_key(authorization)
+    hinted = state.api_keys.hint(credentials)
     if hinted is None:
-        return await authenticate(state, scope, authorization), None
+        return admitted(scope, await accepted_tenant(state, credentials)), None
     tenant, digest = hinted
-    service_of(state)  # 503 while the pool is not open, as authenticate
-    admission.admit(tenant)  # 429 over the tenant's in-flight limit
-    scope[TENANT_KEY] = tenant  # for the request log line
-    return tenant, digest
+    service_of(state)  # 503 while the pool is not open, as for a key read
+    return admitted(scope, tenant), digest
 
 
 def refused_in_batch(state: Any, scope: MutableMapping[str, Any],
