@@ -414,12 +414,12 @@ def serve(**params: Any) -> None:
 
 def _check_gc_threshold() -> None:
     """PGRESERVE_GC_THRESHOLD (http/gc_tuning.py), checked before anything starts."""
-    from .http.gc_tuning import GC_THRESHOLD_ENV, gc_threshold
+    from .http.gc_tuning import threshold_from_env
 
     try:
-        gc_threshold(os.environ.get(GC_THRESHOLD_ENV))
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
+        threshold_from_env()
+    except errors.InvalidRequest as exc:
+        raise click.ClickException(exc.message) from None
 
 
 def _serve_processes(dsn: str, s: Settings) -> None:

@@ -379,17 +379,15 @@ def http_bench(seconds: float, warmup: float, connections: int, threads: int, wo
     Every request is `POST /v1/reservations` with a one-line cart, the tenant's API key
     and a fresh Idempotency-Key; no claims. Exits 1 if the books do not balance.
     """
-    from ..http.gc_tuning import GC_THRESHOLD_ENV, gc_threshold
+    from ..http.gc_tuning import threshold_from_env
     from . import report
     from .wrk import run_http_bench, wrk_path
 
     try:
-        gc_threshold(os.environ.get(GC_THRESHOLD_ENV))  # both servers' workers read it
+        threshold_from_env()  # both servers' workers read it
         wrk_path()
     except InvalidRequest as exc:
         raise click.ClickException(exc.message) from None
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
     out = Console()
     err = Console(stderr=True)
     with _migrated(database_url, durable) as (dsn, where):

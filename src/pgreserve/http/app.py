@@ -35,7 +35,7 @@ from .admission import DEFAULT_REQUEST_DEADLINE_S, Admission, TenantLimit, check
 from .dependencies import ApiKeyCache, InFlight, known_query_only
 from .exception_handlers import EXCEPTION_HANDLERS
 from .fastpath import FastPath
-from .gc_tuning import GC_THRESHOLD_ENV, gc_threshold, tune_gc
+from .gc_tuning import threshold_from_env, tune_gc
 from .metrics import ApiMetrics
 from .middleware import ASGIApp, BodyLimit, ObserveRequests, Receive, Scope, Send
 from .openapi import openapi_schema, operation_id
@@ -359,7 +359,7 @@ def app_from_env() -> FastAPI:
     dsn = os.environ.get("PGRESERVE_DATABASE_URL")
     if not dsn:
         raise RuntimeError("PGRESERVE_DATABASE_URL is not set")
-    gc_threshold(os.environ.get(GC_THRESHOLD_ENV))  # a malformed value: before any work
+    threshold_from_env()  # a malformed value: before any work
     threshold = os.environ.get("PGRESERVE_PREPARE_THRESHOLD", "5")
     app = create_app(dsn, pool_size=int(os.environ.get("PGRESERVE_POOL_SIZE", "10")),
                      prepare_threshold=None if threshold.lower() in ("", "none") else

@@ -5,6 +5,8 @@ from __future__ import annotations
 import gc
 import os
 
+from ..errors import InvalidRequest
+
 # The serving processes' cyclic garbage collector (`tune_gc`).
 GC_THRESHOLD_ENV = "PGRESERVE_GC_THRESHOLD"
 DEFAULT_GC_THRESHOLD = (10_000, 10, 10)
@@ -22,9 +24,16 @@ def gc_threshold(value: str | None) -> tuple[int, int, int] | None:
     parts = [p.strip() for p in text.split(",")]
     if len(parts) != 3 or not all(p.isascii() and p.isdecimal() and 0 < int(p) <= MAX_THRESHOLD
                                   for p in parts):
-        raise ValueError(f"{GC_THRESHOLD_ENV} must be 'off' or three integers from 1 to "
-                         f"{MAX_THRESHOLD:,} such as '10000,10,10', not {value!r}")
+        raise InvalidRequest(f"{GC_THRESHOLD_ENV} must be 'off' or three integers from 1 "
+                             f"to {MAX_THRESHOLD:,} such as '10000,10,10', not {value!r}",
+                             field=GC_THRESHOLD_ENV)
     return int(parts[0]), int(parts[1]), int(parts[2])
+
+
+def threshold_from_env() -> tuple[int, int, int] | None:
+    """gc_threshold of this process's PGRESERVE_GC_THRESHOLD (InvalidRequest when
+    malformed): the servers check it before they start anything."""
+    return gc_threshold(os.environ.get(GC_THRESHOLD_ENV))
 
 
 def tune_gc() -> tuple[int, int, int] | None:
@@ -39,9 +48,9 @@ def tune_gc() -> tuple[int, int, int] | None:
     about a sixth of a worker's CPU per reserve (docs/benchmarks.md). Only the processes pgreserve
     starts itself call this (`up`, `serve` and its workers), never `create_app`:
     a host application keeps its own settings. PGRESERVE_GC_THRESHOLD=off leaves
-    Python's defaults; a malformed value raises ValueError naming it.
+    Python's defaults; a malformed value raises InvalidRequest naming it.
     """
-    threshold = gc_threshold(os.environ.get(GC_THRESHOLD_ENV))
+    threshold = threshold_from_env()
     if threshold is not None:
         gc.collect()  # what is garbage already is freed, not frozen for good
         gc.freeze()
