@@ -80,11 +80,24 @@ async def test_the_batch_refuses_each_bad_key_alone_and_serves_the_rest(
             ["reserve"] * 2, ["x", "y"], ["d"] * 2, [1] * 2, ["600 s"] * 2,
             [None] * 2)).fetchone()
         assert row is not None and [a.get("error") for a in row[0]] == ["PR403", "PR403"]
+        # a refused request between two kept ones: the kept keep their own reference
+        # and metadata (the arrays are compacted together)
+        row = conn.execute(KEYED[:-1] + ", NULL, %s::text[], %s::jsonb[])", (
+            lit.nullable_bytea_array([apikeys.hash_key(good), apikeys.hash_key(other),
+                                      None]),
+            tenant.id, bucket, ["reserve"] * 3, ["m1", "m2", "m3"], ["d"] * 3, [1] * 3,
+            ["600 s"] * 3, [None] * 3, ["cart-1", "cart-2", None],
+            ['{"a": "1"}', '{"b": "2"}', None])).fetchone()
+        assert row is not None
+        kept = [a.get("ok", {}).get("reservation") for a in row[0]]
+        assert [a.get("error") for a in row[0]] == [None, "PR403", None]
+        assert [(r["reference"], r["metadata"]) for r in (kept[0], kept[2])] == [
+            ("cart-1", {"a": "1"}), (None, {})]
         with pytest.raises(psycopg.Error, match="one API key"):
             conn.execute(KEYED, (lit.nullable_bytea_array([None]), tenant.id, bucket,
                                  ["reserve"] * 2, ["x", "y"], ["d"] * 2, [1] * 2,
                                  ["600 s"] * 2, [None] * 2))
-    assert ledger_keys(dsn) == {"ok-1", "ok-2"}
+    assert ledger_keys(dsn) == {"ok-1", "ok-2", "m1", "m3"}
 
 
 @pytest.mark.parametrize("batching", [True, False])

@@ -602,7 +602,14 @@ CREATE OR REPLACE FUNCTION bucket_batch_keyed_v1(p_api_keys bytea[], p_tenant bi
 RETURNS jsonb LANGUAGE plpgsql AS $$
 DECLARE
     v_ok boolean[];
-    v_kept integer[];
+    v_kinds text[];
+    v_keys text[];
+    v_digests text[];
+    v_quantities integer[];
+    v_ttls interval[];
+    v_ids uuid[];
+    v_references text[];
+    v_metadata jsonb[];
     v_out jsonb;
 BEGIN
     IF cardinality(p_api_keys) IS DISTINCT FROM cardinality(p_kinds) THEN
@@ -617,23 +624,18 @@ BEGIN
         RETURN bucket_batch_v1(p_tenant, p_bucket, p_kinds, p_keys, p_digests, p_quantities,
                                p_ttls, p_ids, p_now, p_references, p_metadata);
     END IF;
-    SELECT array_agg(n ORDER BY n) INTO v_kept
-    FROM unnest(v_ok) WITH ORDINALITY AS u(ok, n) WHERE ok;
-    IF v_kept IS NOT NULL THEN
-        v_out := bucket_batch_v1(
-            p_tenant, p_bucket,
-            ARRAY(SELECT p_kinds[n] FROM unnest(v_kept) WITH ORDINALITY AS u(n, o) ORDER BY o),
-            ARRAY(SELECT p_keys[n] FROM unnest(v_kept) WITH ORDINALITY AS u(n, o) ORDER BY o),
-            ARRAY(SELECT p_digests[n] FROM unnest(v_kept) WITH ORDINALITY AS u(n, o) ORDER BY o),
-            ARRAY(SELECT p_quantities[n] FROM unnest(v_kept) WITH ORDINALITY AS u(n, o)
-                  ORDER BY o),
-            ARRAY(SELECT p_ttls[n] FROM unnest(v_kept) WITH ORDINALITY AS u(n, o) ORDER BY o),
-            ARRAY(SELECT p_ids[n] FROM unnest(v_kept) WITH ORDINALITY AS u(n, o) ORDER BY o),
-            p_now,
-            ARRAY(SELECT p_references[n] FROM unnest(v_kept) WITH ORDINALITY AS u(n, o)
-                  ORDER BY o),
-            ARRAY(SELECT p_metadata[n] FROM unnest(v_kept) WITH ORDINALITY AS u(n, o)
-                  ORDER BY o));
+    -- the accepted requests, in their order (a NULL references or metadata array
+    -- reads as NULL elements)
+    SELECT array_agg(kind ORDER BY n), array_agg(k ORDER BY n), array_agg(d ORDER BY n),
+           array_agg(q ORDER BY n), array_agg(ttl ORDER BY n), array_agg(id ORDER BY n),
+           array_agg(ref ORDER BY n), array_agg(meta ORDER BY n)
+    INTO v_kinds, v_keys, v_digests, v_quantities, v_ttls, v_ids, v_references, v_metadata
+    FROM unnest(p_kinds, p_keys, p_digests, p_quantities, p_ttls, p_ids, p_references,
+                p_metadata, v_ok) WITH ORDINALITY AS u(kind, k, d, q, ttl, id, ref, meta, ok, n)
+    WHERE ok;
+    IF v_kinds IS NOT NULL THEN
+        v_out := bucket_batch_v1(p_tenant, p_bucket, v_kinds, v_keys, v_digests, v_quantities,
+                                 v_ttls, v_ids, p_now, v_references, v_metadata);
     END IF;
     -- the answers back in the requests' places, a refusal for each refused key
     RETURN (SELECT jsonb_agg(CASE WHEN u.ok THEN v_out -> (u.rank - 1)
