@@ -28,6 +28,7 @@ with its body, which FastAPI then validates and answers as it always has.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -237,17 +238,14 @@ class FastPath:
                          header: str | None, api_key_hash: bytes | None = None) -> Any:
         """What routes.reservations.claim and release do; `api_key_hash`: the key still
         to be checked where the operation runs."""
-        if api_key_hash is None:
-            holds = caller.holds
-            run = holds.claim if operation == "claim" else holds.release
-            return await reservations.transition(
-                operation, lambda key: run(caller.tenant, reservation_id, request_key=key),
-                caller, header)
-        svc = caller.service
-        checked = svc.claim if operation == "claim" else svc.release
+        holds = caller.holds
+        run = holds.claim if operation == "claim" else holds.release
+        if api_key_hash is not None:  # (no legacy store then: the service checks the key)
+            svc = caller.service
+            run = functools.partial(svc.claim if operation == "claim" else svc.release,
+                                    api_key_hash=api_key_hash)
         return await reservations.transition(
-            operation, lambda key: checked(caller.tenant, reservation_id, request_key=key,
-                                           api_key_hash=api_key_hash),
+            operation, lambda key: run(caller.tenant, reservation_id, request_key=key),
             caller, header)
 
 
