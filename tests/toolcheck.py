@@ -47,6 +47,8 @@ TOOLS: dict[str, Tool] = {t.name: t for t in (
          "(tests/test_ops_page.py)"),
     Tool("redis-server", "redis-server", "the legacy Redis hold store and the rollout "
          "modes (tests/test_rollout.py)", extra_paths=("/usr/bin/redis-server",)),
+    Tool("wrk", "wrk", "`pgreserve bench http` run end to end (tests/test_bench_http.py)",
+         extra_paths=("/usr/bin/wrk",)),
 )}
 
 

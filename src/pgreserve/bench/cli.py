@@ -354,9 +354,12 @@ def server_bench(units: int, requests_: int, clients: int, strategy: str, pool_c
 
 @bench.command("http")
 @click.option("--seconds", type=click.FloatRange(1, 600), default=10, show_default=True,
-              help="wrk's measured run against each server.")
+              help="Each measured wrk run against a server.")
+@click.option("--rounds", type=click.IntRange(1, 20), default=2, show_default=True,
+              help="Measured runs per server, alternating: bare, service | service, bare | "
+                   "... (each server's figures are the sums).")
 @click.option("--warmup", type=click.FloatRange(0, 60), default=2, show_default=True,
-              help="An unmeasured wrk run first against each server (0: none).")
+              help="An unmeasured wrk run after each start of a server (0: none).")
 @click.option("--connections", type=click.IntRange(1, 1000), default=64, show_default=True,
               help="wrk connections (concurrent buyers).")
 @click.option("--threads", type=click.IntRange(1, 64), default=2, show_default=True,
@@ -370,11 +373,12 @@ def server_bench(units: int, requests_: int, clients: int, strategy: str, pool_c
               help="Units of the SKU: enough that the run never sells out.")
 @click.option("--pool-cap", type=int, default=1_000, show_default=True)
 @_run_options
-def http_bench(seconds: float, warmup: float, connections: int, threads: int, workers: int,
-               strategy: str, units: int, pool_cap: int, durable: bool,
+def http_bench(seconds: float, rounds: int, warmup: float, connections: int, threads: int,
+               workers: int, strategy: str, units: int, pool_cap: int, durable: bool,
                json_path: str | None, database_url: str | None) -> None:
     """Holds/s through `pgreserve serve --workers N`, sent by wrk, over a bare FastAPI
-    endpoint's requests/s, both started the same way in this run (loopback only).
+    endpoint's requests/s, both started the same way in this run (loopback only), measured
+    in alternating rounds (bare, service | service, bare | ...).
 
     Every request is `POST /v1/reservations` with a one-line cart, the tenant's API key
     and a fresh Idempotency-Key; no claims. Exits 1 if the books do not balance.
@@ -391,18 +395,19 @@ def http_bench(seconds: float, warmup: float, connections: int, threads: int, wo
     out = Console()
     err = Console(stderr=True)
     with _migrated(database_url, durable) as (dsn, where):
-        err.print(f"[dim]{where}; wrk -t{threads} -c{connections} for {seconds:g} s "
-                  f"(after {warmup:g} s of warm-up) against each server, {workers} uvicorn "
-                  f"processes each, strategy {strategy}, {_commit_mode(durable)}[/]")
+        err.print(f"[dim]{where}; wrk -t{threads} -c{connections} for {seconds:g} s, "
+                  f"{rounds} time(s) against each server in alternating rounds (after "
+                  f"{warmup:g} s of warm-up at each start), {workers} uvicorn processes each, "
+                  f"strategy {strategy}, {_commit_mode(durable)}[/]")
         try:
             result = asyncio.run(run_http_bench(
                 dsn, strategy=strategy, units=units, pool_cap=pool_cap, workers=workers,
                 threads=threads, connections=connections, seconds=seconds, warmup=warmup,
-                durable=durable))
+                durable=durable, rounds=rounds))
         except InvalidRequest as exc:
             raise click.ClickException(exc.message) from None
-    table = Table(title=f"HTTP, wrk -t{threads} -c{connections} -d{seconds:g}s, "
-                        f"POST /v1/reservations", title_justify="left")
+    table = Table(title=f"HTTP, wrk -t{threads} -c{connections} -d{seconds:g}s x {rounds} per "
+                        f"server, POST /v1/reservations", title_justify="left")
     for name in ("server", "201/s", "requests/s", "other answers", "p50 / p99 ms",
                  "cores: server / postgres / wrk"):
         table.add_column(name, justify="left" if name == "server" else "right")
@@ -413,6 +418,7 @@ def http_bench(seconds: float, warmup: float, connections: int, threads: int, wo
         table.add_row(endpoint.name, f"{endpoint.created_per_s or 0:,.0f}",
                       f"{endpoint.requests_per_s or 0:,.0f}",
                       f"{endpoint.rejected + endpoint.other_status:,} non-201, "
+                      f"{endpoint.replayed:,} replayed, "
                       f"{endpoint.socket_errors:,} socket errors",
                       f"{lat['p50']:.2f} / {lat['p99']:.2f}",
                       " / ".join("n/a" if c is None else f"{c:.2f}" for c in cores))
@@ -421,10 +427,13 @@ def http_bench(seconds: float, warmup: float, connections: int, threads: int, wo
               f"{result.commits:,} commits while the service ran (reads included)")
     ratio = result.ratio
     out.print("[bold]ratio[/]\n  service_holds_over_bare_requests_per_s: "
-              + ("n/a" if ratio is None else f"{ratio:.2f}"))
+              + ("n/a" if ratio is None else f"{ratio:.2f}")
+              + "  (by round: " + ", ".join("n/a" if r is None else f"{r:.2f}"
+                                            for r in result.round_ratios()) + ")")
     if json_path:
         report.write_json(json_path, {**result.to_dict(), "config": {
-            "seconds": seconds, "warmup": warmup, "connections": connections,
+            "seconds": seconds, "rounds": rounds, "warmup": warmup,
+            "connections": connections,
             "threads": threads, "workers": workers, "strategy": strategy, "units": units,
             "pool_cap": pool_cap, "durable": durable, "database": where,
             "client": "wrk (Lua: POST /v1/reservations, one-line cart, fresh Idempotency-Key)"}})

@@ -2,10 +2,17 @@
 
 Both servers are started here the same way (uvicorn, the service's own
 settings from http/server.py: uvloop, httptools, N processes, factory app) on
-free 127.0.0.1 ports, one after the other, and wrk (the C load generator)
+free 127.0.0.1 ports, never both at once, and wrk (the C load generator)
 sends the same request to each for the same time: `POST /v1/reservations`
 with a one-line cart, the tenant's API key and a fresh Idempotency-Key per
 request. The figure is the ratio: service holds/s over bare requests/s.
+
+The measured runs alternate in rounds, in the order bare, service | service,
+bare | bare, service ... (ABBA), so that a machine growing faster or slower
+during the run weighs on both servers alike: on a shared machine the CPU left
+to us moves within a minute, and two runs one after the other measured that
+as much as the servers. Each server's figures are the sums over its runs;
+each round's own ratio is reported beside them.
 
 CPU is read from /proc over wrk's run: the server's process tree (uvicorn's
 supervisor and workers), PostgreSQL's (when /proc shows it), and wrk's own
@@ -43,15 +50,22 @@ WRK_MISSING = ("wrk is not on PATH: `bench http` drives the servers with wrk, th
 SKU, LOCATION = "sku-0", "wh-1"
 READY_TIMEOUT_S = 60.0
 
-# wrk's Lua: every thread counts its answers by status; done() prints one JSON line.
+# wrk's Lua: every thread counts its answers by status (a 201 that says it was replayed
+# apart); done() prints one JSON line. Each wrk run gets a prefix of its own for the
+# request keys (its first argument): the counter starts again in every run, and a key
+# sent in an earlier run would be answered from the ledger instead of holding.
 LUA = r"""
 local threads = {}
 local counter = 0
-holds, rejected, other = 0, 0, 0
+holds, replayed, rejected, other = 0, 0, 0, 0
 
 function setup(thread)
   thread:set("id", #threads)
   table.insert(threads, thread)
+end
+
+function init(args)
+  PREFIX = args[1]
 end
 
 function request()
@@ -64,22 +78,28 @@ function request()
 end
 
 function response(status, headers, body)
-  if status == 201 then holds = holds + 1
+  if status == 201 then
+    if headers["idempotent-replayed"] or headers["Idempotent-Replayed"] then
+      replayed = replayed + 1
+    else
+      holds = holds + 1
+    end
   elseif status == 409 then rejected = rejected + 1
   else other = other + 1 end
 end
 
 function done(summary, latency, requests)
-  local h, r, o = 0, 0, 0
+  local h, p, r, o = 0, 0, 0, 0
   for _, t in ipairs(threads) do
-    h = h + t:get("holds"); r = r + t:get("rejected"); o = o + t:get("other")
+    h = h + t:get("holds"); p = p + t:get("replayed")
+    r = r + t:get("rejected"); o = o + t:get("other")
   end
   local e = summary.errors
   io.write(string.format('WRKJSON {"requests": %d, "duration_us": %d, "created": %d, ' ..
-    '"rejected": %d, "other_status": %d, "connect_errors": %d, "read_errors": %d, ' ..
-    '"write_errors": %d, "timeouts": %d, "p50_us": %d, "p90_us": %d, "p99_us": %d, ' ..
-    '"max_us": %d}\n', summary.requests, summary.duration, h, r, o, e.connect, e.read,
-    e.write, e.timeout, latency:percentile(50), latency:percentile(90),
+    '"replayed": %d, "rejected": %d, "other_status": %d, "connect_errors": %d, ' ..
+    '"read_errors": %d, "write_errors": %d, "timeouts": %d, "p50_us": %d, "p90_us": %d, ' ..
+    '"p99_us": %d, "max_us": %d}\n', summary.requests, summary.duration, h, p, r, o,
+    e.connect, e.read, e.write, e.timeout, latency:percentile(50), latency:percentile(90),
     latency:percentile(99), latency.max))
 end
 """
@@ -94,21 +114,93 @@ def wrk_path() -> str:
 
 
 @dataclass
+class Segment:
+    """One measured wrk run against one server."""
+
+    round: int  # 1-based
+    requests: int
+    duration_s: float
+    created: int  # 201 answers that are not replays: holds (service) or requests (bare)
+    replayed: int  # 201 answers from the request ledger (a key sent before)
+    rejected: int
+    other_status: int
+    socket_errors: int
+    latency_ms: dict[str, float]
+    wrk_cpu_s: float
+    server_cpu_s: float | None = None
+    postgres_cpu_s: float | None = None
+
+    @property
+    def created_per_s(self) -> float | None:
+        return self.created / self.duration_s if self.duration_s > 0 else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "created_per_s": self.created_per_s}
+
+
+@dataclass
 class Endpoint:
-    """One server's wrk run."""
+    """One server's measured wrk runs (`segments`, in the order run) and their sums.
+
+    wrk gives percentiles per run, which cannot be merged: `latency_ms` holds each
+    percentile's largest value over the runs. A CPU figure is None when any run's
+    reading was."""
 
     name: str
     url: str
-    requests: int = 0
-    duration_s: float = 0.0
-    created: int = 0  # 201 answers: holds (service) or requests (bare)
-    rejected: int = 0
-    other_status: int = 0
-    socket_errors: int = 0
-    latency_ms: dict[str, float] = field(default_factory=dict)
-    server_cpu_s: float | None = None  # the uvicorn supervisor and its workers
-    postgres_cpu_s: float | None = None
-    wrk_cpu_s: float | None = None
+    segments: list[Segment] = field(default_factory=list)
+
+    def _sum(self, name: str) -> Any:
+        return sum(getattr(segment, name) for segment in self.segments)
+
+    def _cpu(self, name: str) -> float | None:
+        values = [getattr(segment, name) for segment in self.segments]
+        return None if not values or None in values else sum(values)
+
+    @property
+    def requests(self) -> int:
+        return int(self._sum("requests"))
+
+    @property
+    def duration_s(self) -> float:
+        return float(self._sum("duration_s"))
+
+    @property
+    def created(self) -> int:  # 201 answers not replayed: holds (service) or requests (bare)
+        return int(self._sum("created"))
+
+    @property
+    def replayed(self) -> int:
+        return int(self._sum("replayed"))
+
+    @property
+    def rejected(self) -> int:
+        return int(self._sum("rejected"))
+
+    @property
+    def other_status(self) -> int:
+        return int(self._sum("other_status"))
+
+    @property
+    def socket_errors(self) -> int:
+        return int(self._sum("socket_errors"))
+
+    @property
+    def latency_ms(self) -> dict[str, float]:
+        return {name: max(segment.latency_ms[name] for segment in self.segments)
+                for name in ("p50", "p90", "p99", "max")} if self.segments else {}
+
+    @property
+    def server_cpu_s(self) -> float | None:  # the uvicorn supervisor and its workers
+        return self._cpu("server_cpu_s")
+
+    @property
+    def postgres_cpu_s(self) -> float | None:
+        return self._cpu("postgres_cpu_s")
+
+    @property
+    def wrk_cpu_s(self) -> float | None:
+        return self._cpu("wrk_cpu_s")
 
     @property
     def created_per_s(self) -> float | None:
@@ -122,12 +214,15 @@ class Endpoint:
         return None if cpu is None or self.duration_s <= 0 else cpu / self.duration_s
 
     def to_dict(self) -> dict[str, Any]:
-        doc = asdict(self)
-        doc["created_per_s"] = self.created_per_s
-        doc["requests_per_s"] = self.requests_per_s
+        doc: dict[str, Any] = {"name": self.name, "url": self.url}
+        for name in ("requests", "duration_s", "created", "replayed", "rejected", "other_status",
+                     "socket_errors", "latency_ms", "server_cpu_s", "postgres_cpu_s",
+                     "wrk_cpu_s", "created_per_s", "requests_per_s"):
+            doc[name] = getattr(self, name)
         doc["cores"] = {"server": self.cores(self.server_cpu_s),
                         "postgres": self.cores(self.postgres_cpu_s),
                         "wrk": self.cores(self.wrk_cpu_s)}
+        doc["segments"] = [segment.to_dict() for segment in self.segments]
         return doc
 
 
@@ -148,6 +243,15 @@ class HttpBench:
         bare, held = self.bare.created_per_s, self.service.created_per_s
         return held / bare if held is not None and bare else None
 
+    def round_ratios(self) -> list[float | None]:
+        """Each round's service holds/s over its bare requests/s."""
+        bare = {s.round: s.created_per_s for s in self.bare.segments}
+        ratios: list[float | None] = []
+        for segment in self.service.segments:
+            held, base = segment.created_per_s, bare.get(segment.round)
+            ratios.append(held / base if held is not None and base else None)
+        return ratios
+
     @property
     def ok(self) -> bool:
         return not self.violations and not self.oversold
@@ -156,26 +260,32 @@ class HttpBench:
         return {"bare": self.bare.to_dict(), "service": self.service.to_dict(),
                 "strategy": self.strategy,
                 "service_holds_over_bare_requests_per_s": self.ratio,
+                "round_ratios": self.round_ratios(),
                 "reservations_in_database": self.reservations,
                 # every transaction, reads (API key, idempotency lookups) included
                 "commits_while_service_ran": self.commits,
                 "violations": self.violations, "invariants_ok": self.ok}
 
 
-def _script(api_key: str, prefix: str, quantity: int) -> str:
+def _script(api_key: str, quantity: int) -> str:
     body = json.dumps({"lines": [{"sku": SKU, "location": LOCATION, "quantity": quantity}],
                        "ttl_seconds": 900})
     # json.dumps of a str is a valid Lua string literal for these ASCII values
-    return (f"API_KEY = {json.dumps(api_key)}\nPREFIX = {json.dumps(prefix)}\n"
-            f"BODY = {json.dumps(body)}\n{LUA}")
+    return f"API_KEY = {json.dumps(api_key)}\nBODY = {json.dumps(body)}\n{LUA}"
+
+
+def run_prefix() -> str:
+    """A wrk run's request key prefix (each thread adds its number and a counter)."""
+    return f"h{uuid.uuid4().hex[:12]}-"
 
 
 def run_wrk(wrk: str, url: str, script: Path, *, threads: int, connections: int,
             seconds: float) -> tuple[dict[str, Any], float]:
-    """wrk's JSON line and its CPU seconds (getrusage of the waited child)."""
+    """wrk's JSON line and its CPU seconds (getrusage of the waited child). The run's
+    request keys start with a prefix of its own."""
     before = _children_cpu_s()
     argv = [wrk, f"-t{threads}", f"-c{connections}", f"-d{max(1, round(seconds))}s",
-            "--timeout", "10s", "-s", str(script), url]
+            "--timeout", "10s", "-s", str(script), url, "--", run_prefix()]
     # argv built here, with the wrk found on PATH
     done = subprocess.run(argv, capture_output=True, text=True,  # noqa: S603
                           timeout=seconds + 60, check=False)
@@ -251,10 +361,28 @@ def bare_argv(port: int, workers: int) -> list[str]:
     return [sys.executable, "-c", code]
 
 
+def run_order(rounds: int) -> list[tuple[int, str]]:
+    """(round, server) of each measured run: bare, service | service, bare | ... (ABBA)."""
+    order: list[tuple[int, str]] = []
+    for r in range(1, rounds + 1):
+        pair = ("bare", "service") if r % 2 else ("service", "bare")
+        order.extend((r, name) for name in pair)
+    return order
+
+
 async def run_http_bench(dsn: str, *, strategy: str, units: int, pool_cap: int,
                          workers: int, threads: int, connections: int, seconds: float,
-                         warmup: float, durable: bool, quantity: int = 1) -> HttpBench:
-    """Seed a fresh tenant, run wrk against the bare app then the service, check the books."""
+                         warmup: float, durable: bool, quantity: int = 1,
+                         rounds: int = 2) -> HttpBench:
+    """Seed a fresh tenant, run wrk against the bare app and the service in alternating
+    rounds, check the books.
+
+    Runs of one server that follow each other (service, service in the middle of
+    ABBA) share one start of it and its warm-up; a server is stopped before the
+    other one starts.
+    """
+    if rounds < 1:
+        raise InvalidRequest(f"rounds must be at least 1, got {rounds}")
     wrk = wrk_path()
     dsn = with_commit_mode(dsn, durable)
     work = Path(tempfile.mkdtemp(prefix="pgreserve-bench-http-"))
@@ -267,43 +395,49 @@ async def run_http_bench(dsn: str, *, strategy: str, units: int, pool_cap: int,
             await service.set_stock(tenant.id, SKU, LOCATION, units, strategy=strategy,
                                     pool_cap=pool_cap if strategy == "pool" else None)
             script = work / "holds.lua"
-            script.write_text(_script(key, f"h{uuid.uuid4().hex[:8]}-", quantity))
+            script.write_text(_script(key, quantity))
             env = {**os.environ}
             env.pop("PROMETHEUS_MULTIPROC_DIR", None)
             bare_port, service_port = free_port(), free_port()
-            bare = Endpoint("bare FastAPI", f"http://127.0.0.1:{bare_port}")
-            held = Endpoint(f"pgreserve serve --workers {workers}",
-                            f"http://127.0.0.1:{service_port}")
+            endpoints = {
+                "bare": (Endpoint("bare FastAPI", f"http://127.0.0.1:{bare_port}"),
+                         bare_argv(bare_port, workers)),
+                "service": (Endpoint(f"pgreserve serve --workers {workers}",
+                                     f"http://127.0.0.1:{service_port}"),
+                            service_argv(dsn, service_port, workers))}
+            result = HttpBench(endpoints["bare"][0], endpoints["service"][0], strategy)
             meter = await ServerMeter.open(dsn)
-            result = HttpBench(bare, held, strategy)
             try:
-                for endpoint, argv in ((bare, bare_argv(bare_port, workers)),
-                                       (held, service_argv(dsn, service_port, workers))):
+                for name, runs in _starts(run_order(rounds)):
+                    endpoint, argv = endpoints[name]
                     commits = await _commits(admin)
-                    server = Server(argv, env, work / f"{endpoint.url[-5:]}.log")
+                    server = Server(argv, env, work / f"{name}-{runs[0]}.log")
                     try:
                         await asyncio.to_thread(server.wait_ready, endpoint.url)
                         if warmup > 0:
                             await asyncio.to_thread(run_wrk, wrk, endpoint.url, script,
                                                     threads=threads, connections=connections,
                                                     seconds=warmup)
-                        pg0 = await meter.read()
-                        cpu0 = tree_cpu_s(server.proc.pid)
-                        doc, wrk_cpu = await asyncio.to_thread(
-                            run_wrk, wrk, endpoint.url, script, threads=threads,
-                            connections=connections, seconds=seconds)
-                        cpu1 = tree_cpu_s(server.proc.pid)
-                        pg1 = await meter.read()
+                        for r in runs:
+                            pg0 = await meter.read()
+                            cpu0 = tree_cpu_s(server.proc.pid)
+                            doc, wrk_cpu = await asyncio.to_thread(
+                                run_wrk, wrk, endpoint.url, script, threads=threads,
+                                connections=connections, seconds=seconds)
+                            cpu1 = tree_cpu_s(server.proc.pid)
+                            pg1 = await meter.read()
+                            endpoint.segments.append(_segment(
+                                r, doc, wrk_cpu,
+                                server_cpu_s=None if cpu0 is None or cpu1 is None
+                                else cpu1 - cpu0,
+                                postgres_cpu_s=None if pg0.server_cpu_s is None
+                                or pg1.server_cpu_s is None
+                                else pg1.server_cpu_s - pg0.server_cpu_s))
                     finally:
                         await asyncio.to_thread(server.stop)
-                    if endpoint is held:  # its sessions flush their counters as they exit
+                    if name == "service":  # its sessions flush their counters as they exit
                         await _backends_gone(admin, "pgreserve:api")
-                        result.commits = await _commits(admin) - commits
-                    _fill(endpoint, doc, wrk_cpu)
-                    endpoint.server_cpu_s = None if cpu0 is None or cpu1 is None \
-                        else cpu1 - cpu0
-                    endpoint.postgres_cpu_s = None if pg0.server_cpu_s is None \
-                        or pg1.server_cpu_s is None else pg1.server_cpu_s - pg0.server_cpu_s
+                        result.commits += await _commits(admin) - commits
             finally:
                 await meter.close()
             book = await read_ledger(admin, tenant.id)
@@ -313,6 +447,17 @@ async def run_http_bench(dsn: str, *, strategy: str, units: int, pool_cap: int,
         return result
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _starts(order: list[tuple[int, str]]) -> list[tuple[str, list[int]]]:
+    """The server starts: consecutive runs of one server under one start, with their rounds."""
+    starts: list[tuple[str, list[int]]] = []
+    for r, name in order:
+        if starts and starts[-1][0] == name:
+            starts[-1][1].append(r)
+        else:
+            starts.append((name, [r]))
+    return starts
 
 
 async def _commits(admin: Database) -> int:
@@ -329,13 +474,14 @@ async def _backends_gone(admin: Database, application_name: str, timeout_s: floa
         await asyncio.sleep(0.1)
 
 
-def _fill(endpoint: Endpoint, doc: dict[str, Any], wrk_cpu: float) -> None:
-    endpoint.requests = int(doc["requests"])
-    endpoint.duration_s = int(doc["duration_us"]) / 1e6
-    endpoint.created = int(doc["created"])
-    endpoint.rejected = int(doc["rejected"])
-    endpoint.other_status = int(doc["other_status"])
-    endpoint.socket_errors = sum(int(doc[k]) for k in ("connect_errors", "read_errors",
-                                                       "write_errors", "timeouts"))
-    endpoint.latency_ms = {k: int(doc[f"{k}_us"]) / 1000.0 for k in ("p50", "p90", "p99", "max")}
-    endpoint.wrk_cpu_s = wrk_cpu
+def _segment(round_: int, doc: dict[str, Any], wrk_cpu: float, *,
+             server_cpu_s: float | None, postgres_cpu_s: float | None) -> Segment:
+    return Segment(
+        round=round_, requests=int(doc["requests"]),
+        duration_s=int(doc["duration_us"]) / 1e6, created=int(doc["created"]),
+        replayed=int(doc["replayed"]), rejected=int(doc["rejected"]),
+        other_status=int(doc["other_status"]),
+        socket_errors=sum(int(doc[k]) for k in ("connect_errors", "read_errors",
+                                                "write_errors", "timeouts")),
+        latency_ms={k: int(doc[f"{k}_us"]) / 1000.0 for k in ("p50", "p90", "p99", "max")},
+        wrk_cpu_s=wrk_cpu, server_cpu_s=server_cpu_s, postgres_cpu_s=postgres_cpu_s)
