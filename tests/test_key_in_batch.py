@@ -21,7 +21,7 @@ import pytest_asyncio
 
 from pgreserve import Database, ReservationService, apikeys
 from pgreserve.db import literals as lit
-from pgreserve.errors import ApiKeyRefused, InvalidRequest
+from pgreserve.errors import UNKNOWN_API_KEY, ApiKeyRefused, InvalidRequest
 from pgreserve.http import create_app
 from test_batching import bucket_id, bucket_locked
 from test_concurrency import wait_until_blocked
@@ -69,6 +69,8 @@ async def test_the_batch_refuses_each_bad_key_alone_and_serves_the_rest(
     answers: list[dict[str, Any]] = row[0]
     assert [("ok" in a, a.get("error")) for a in answers] == [
         (True, None), (False, "PR403"), (True, None), (False, "PR403"), (False, "PR403")]
+    # the batch says what every other refusal of a key says
+    assert {a["message"] for a in answers if "error" in a} == {UNKNOWN_API_KEY}
     assert all(a["ok"]["status"] == "held" for a in (answers[0], answers[2]))
     assert ledger_keys(dsn) == {"ok-1", "ok-2"}
     assert reservations(dsn) == 2

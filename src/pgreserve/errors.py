@@ -27,11 +27,19 @@ class UnknownTenant(PgReserveError):
     code = "unknown_tenant"
 
 
+# What every refusal of an API key says, whoever refuses it (the HTTP layer, the service,
+# the batch function in sql/functions/batch.sql): an unknown key and a revoked one alike.
+UNKNOWN_API_KEY = "unknown API key"
+
+
 class ApiKeyRefused(PgReserveError):
     """The API key an operation was to check in its own transaction is not an active key
     of the tenant (revoked, or never issued to it); nothing was done."""
 
     code = "api_key_refused"
+
+    def __init__(self, message: str = UNKNOWN_API_KEY, **details: Any) -> None:
+        super().__init__(message, **details)
 
 
 class UnknownStock(PgReserveError):

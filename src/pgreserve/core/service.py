@@ -396,7 +396,7 @@ class ReservationService:
         if found.get(api_key_hash) != tenant:
             from ..errors import ApiKeyRefused
 
-            raise ApiKeyRefused("unknown API key")
+            raise ApiKeyRefused()
 
     async def tenant_by_name(self, name: str) -> Tenant | None:
         rows = await self.db.fetch(queries["tenant_find_by_name"], (name,),

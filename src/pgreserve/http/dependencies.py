@@ -261,7 +261,7 @@ async def accepted_tenant(state: Any, credentials: str) -> int:
     keys: ApiKeyCache = state.api_keys
     tenant = await keys.tenant(service_of(state), credentials)
     if tenant is None:
-        raise problems.Unauthorized("unknown API key")
+        raise problems.Unauthorized(errors.UNKNOWN_API_KEY)
     return tenant
 
 
@@ -294,7 +294,7 @@ def refused_in_batch(state: Any, scope: MutableMapping[str, Any],
     an unknown key; the next request with it asks the database first."""
     state.api_keys.refused(digest)
     scope.pop(TENANT_KEY, None)
-    return problems.Unauthorized("unknown API key")
+    return problems.Unauthorized(errors.UNKNOWN_API_KEY)
 
 
 @dataclass(frozen=True)
