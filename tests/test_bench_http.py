@@ -59,7 +59,6 @@ def test_a_run_with_no_rounds_is_refused(dsn: str) -> None:
 
     from pgreserve.bench.wrk import run_http_bench
 
-    toolcheck.require("wrk")
     with pytest.raises(InvalidRequest, match="rounds"):
         asyncio.run(run_http_bench(dsn, strategy="row", units=10, pool_cap=10, workers=1,
                                    threads=1, connections=1, seconds=1, warmup=0,
@@ -123,3 +122,19 @@ def test_answers_replayed_from_the_ledger_are_counted_apart(
     assert service["replayed"] > 0
     assert (service["created"] + service["replayed"] + service["rejected"]
             + service["other_status"]) == service["requests"]
+
+
+def test_a_sold_out_run_says_so_and_its_books_balance(dsn: str, tmp_path: Path) -> None:
+    """Too few units for the run: the holds stop at the stock, the rest are 409s, the
+    bench says the SKU sold out and still exits 0 with balanced books."""
+    toolcheck.require("wrk")
+    out = tmp_path / "http.json"
+    result = CliRunner().invoke(bench, [
+        "http", "--seconds", "1", "--rounds", "1", "--warmup", "0", "--workers", "1",
+        "--connections", "4", "--threads", "1", "--strategy", "row", "--units", "50",
+        "--database-url", dsn, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert doc["service"]["created"] == doc["reservations_in_database"] == 50
+    assert doc["service"]["rejected"] > 0 and doc["invariants_ok"] is True
+    assert "the SKU sold out" in result.output

@@ -357,7 +357,8 @@ def server_bench(units: int, requests_: int, clients: int, strategy: str, pool_c
               help="Each measured wrk run against a server.")
 @click.option("--rounds", type=click.IntRange(1, 20), default=2, show_default=True,
               help="Measured runs per server, alternating: bare, service | service, bare | "
-                   "... (each server's figures are the sums).")
+                   "... (each server's figures are the sums; an even number cancels a "
+                   "steady drift of the machine).")
 @click.option("--warmup", type=click.FloatRange(0, 60), default=2, show_default=True,
               help="An unmeasured wrk run after each start of a server (0: none).")
 @click.option("--connections", type=click.IntRange(1, 1000), default=64, show_default=True,
@@ -408,7 +409,7 @@ def http_bench(seconds: float, rounds: int, warmup: float, connections: int, thr
             raise click.ClickException(exc.message) from None
     table = Table(title=f"HTTP, wrk -t{threads} -c{connections} -d{seconds:g}s x {rounds} per "
                         f"server, POST /v1/reservations", title_justify="left")
-    for name in ("server", "201/s", "requests/s", "other answers", "p50 / p99 ms",
+    for name in ("server", "201/s", "requests/s", "other answers", "p50 / p99 ms (worst run)",
                  "cores: server / postgres / wrk"):
         table.add_column(name, justify="left" if name == "server" else "right")
     for endpoint in (result.bare, result.service):
@@ -423,6 +424,9 @@ def http_bench(seconds: float, rounds: int, warmup: float, connections: int, thr
                       f"{lat['p50']:.2f} / {lat['p99']:.2f}",
                       " / ".join("n/a" if c is None else f"{c:.2f}" for c in cores))
     out.print(table)
+    if result.service.rejected:
+        out.print(f"[yellow]the SKU sold out: {result.service.rejected:,} reserves were "
+                  f"refused (409); raise --units for {rounds} x {seconds:g} s[/]")
     out.print(f"reservations in the database: {result.reservations:,} (warm-up included); "
               f"{result.commits:,} commits while the service ran (reads included)")
     ratio = result.ratio
