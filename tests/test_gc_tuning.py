@@ -15,8 +15,11 @@ from pathlib import Path
 import pytest
 
 from pgreserve.http.gc_tuning import DEFAULT_GC_THRESHOLD, GC_THRESHOLD_ENV, gc_threshold
-from test_cli import clean_env, pgr
+from procs import running
+from test_cli import clean_env, pgr, short_dir
 from test_cli_up import free_port
+
+__all__ = ["short_dir"]  # a fixture of test_cli
 
 PROBE = ("import gc, json\n{setup}\n"
          "print(json.dumps([gc.get_threshold(), gc.get_freeze_count()]))\n")
@@ -99,3 +102,40 @@ def test_bench_http_refuses_a_malformed_setting_before_starting_a_server(
     assert result.exit_code == 1, result.output
     assert GC_THRESHOLD_ENV in result.output and "embedded PostgreSQL" not in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+# The command line, run by a Python that prints its collector's settings as it exits.
+AT_EXIT = ("import atexit, gc, json, sys\n"
+           "atexit.register(lambda: print('GC ' + json.dumps([gc.get_threshold(), "
+           "gc.get_freeze_count()]), flush=True))\n"
+           "from pgreserve.cli import main\n"
+           "sys.argv[0] = 'pgreserve'\n"
+           "main()\n")
+
+
+def served_collector(args: list[str], **env: str) -> tuple[tuple[int, ...], int]:
+    """gc's threshold and frozen count of a `pgreserve ARGS` process that served until
+    SIGTERM (read as it exits)."""
+    with running([sys.executable, "-c", AT_EXIT, *args, "--port", str(free_port()),
+                  "--ops-port", str(free_port())], env=clean_env(**env)) as served:
+        assert "Press Ctrl-C" in served.output
+    line = next(line for line in served.lines if line.startswith("GC "))
+    threshold, frozen = json.loads(line[3:])
+    return tuple(threshold), frozen
+
+
+def test_serve_with_one_process_sets_up_its_collector(dsn: str) -> None:
+    """`serve` (one process: the API and the ops listener in this event loop) freezes
+    its startup heap and raises the threshold once it serves; `off` keeps Python's."""
+    threshold, frozen = served_collector(["serve", "--database-url", dsn])
+    assert threshold == DEFAULT_GC_THRESHOLD and frozen > 10_000
+    threshold, frozen = served_collector(["serve", "--database-url", dsn],
+                                         **{GC_THRESHOLD_ENV: "off"})
+    assert threshold == (700, 10, 10) and frozen == 0
+
+
+def test_up_sets_up_its_collector(short_dir: Path) -> None:
+    """`up` (embedded database, API and workers in one process) does the same."""
+    threshold, frozen = served_collector(["up", "--data-dir", str(short_dir / "data")],
+                                         **{GC_THRESHOLD_ENV: "4000,8,8"})
+    assert threshold == (4000, 8, 8) and frozen > 10_000
