@@ -409,7 +409,7 @@ def http_bench(seconds: float, rounds: int, warmup: float, connections: int, thr
             raise click.ClickException(exc.message) from None
     table = Table(title=f"HTTP, wrk -t{threads} -c{connections} -d{seconds:g}s x {rounds} per "
                         f"server, POST /v1/reservations", title_justify="left")
-    for name in ("server", "201/s", "requests/s", "other answers", "p50 / p99 ms",
+    for name in ("server", "201/s", "requests/s", "other answers", "p50 / p99 ms (worst run)",
                  "cores: server / postgres / wrk"):
         table.add_column(name, justify="left" if name == "server" else "right")
     for endpoint in (result.bare, result.service):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import shutil
 import signal
@@ -102,13 +101,6 @@ function done(summary, latency, requests)
     '"p99_us": %d, "max_us": %d}\n', summary.requests, summary.duration, h, p, r, o,
     e.connect, e.read, e.write, e.timeout, latency:percentile(50), latency:percentile(90),
     latency:percentile(99), latency.max))
-  -- the latency histogram (microseconds: count), so that runs can be merged
-  local parts = {}
-  for i = 1, #latency do
-    local value, count = latency(i)
-    parts[#parts + 1] = string.format("%d:%d", value, count)
-  end
-  io.write("WRKLAT " .. table.concat(parts, ",") .. "\n")
 end
 """
 
@@ -137,43 +129,22 @@ class Segment:
     wrk_cpu_s: float
     server_cpu_s: float | None = None
     postgres_cpu_s: float | None = None
-    # wrk's latency histogram of the run: microseconds -> requests (not in the JSON)
-    histogram: dict[int, int] = field(default_factory=dict, repr=False)
 
     @property
     def created_per_s(self) -> float | None:
         return self.created / self.duration_s if self.duration_s > 0 else None
 
     def to_dict(self) -> dict[str, Any]:
-        doc = {**asdict(self), "created_per_s": self.created_per_s}
-        del doc["histogram"]
-        return doc
-
-
-def percentiles_ms(histogram: dict[int, int]) -> dict[str, float]:
-    """p50, p90, p99 and max of a latency histogram (microseconds -> count), in ms, as wrk
-    computes them: the smallest value whose cumulative count reaches the rank."""
-    total = sum(histogram.values())
-    values = sorted(histogram)
-    found: dict[str, float] = {}
-    for name, p in (("p50", 50.0), ("p90", 90.0), ("p99", 99.0)):
-        rank = math.floor(p / 100.0 * total + 0.5 + 0.5)  # C's round(): halves go up
-        seen = 0
-        for value in values:
-            seen += histogram[value]
-            if seen >= rank:
-                found[name] = value / 1000.0
-                break
-    found["max"] = values[-1] / 1000.0
-    return found
+        return {**asdict(self), "created_per_s": self.created_per_s}
 
 
 @dataclass
 class Endpoint:
     """One server's measured wrk runs (`segments`, in the order run) and their sums.
 
-    `latency_ms`: the percentiles of all the runs' requests together (their histograms
-    merged). A CPU figure is None when any run's reading was."""
+    wrk gives percentiles per run, which cannot be merged: `latency_ms` holds each
+    percentile's largest value over the runs. A CPU figure is None when any run's
+    reading was."""
 
     name: str
     url: str
@@ -216,11 +187,8 @@ class Endpoint:
 
     @property
     def latency_ms(self) -> dict[str, float]:
-        merged: dict[int, int] = {}
-        for segment in self.segments:
-            for value, count in segment.histogram.items():
-                merged[value] = merged.get(value, 0) + count
-        return percentiles_ms(merged) if merged else {}
+        return {name: max(segment.latency_ms[name] for segment in self.segments)
+                for name in ("p50", "p90", "p99", "max")} if self.segments else {}
 
     @property
     def server_cpu_s(self) -> float | None:  # the uvicorn supervisor and its workers
@@ -322,18 +290,9 @@ def run_wrk(wrk: str, url: str, script: Path, *, threads: int, connections: int,
     done = subprocess.run(argv, capture_output=True, text=True,  # noqa: S603
                           timeout=seconds + 60, check=False)
     cpu = _children_cpu_s() - before
-    doc: dict[str, Any] | None = None
-    histogram: dict[int, int] = {}
     for line in done.stdout.splitlines():
         if line.startswith("WRKJSON "):
-            doc = json.loads(line[len("WRKJSON "):])
-        elif line.startswith("WRKLAT "):
-            for pair in filter(None, line[len("WRKLAT "):].split(",")):
-                value, _, count = pair.partition(":")
-                histogram[int(value)] = histogram.get(int(value), 0) + int(count)
-    if doc is not None:
-        doc["histogram"] = histogram
-        return doc, cpu
+            return json.loads(line[len("WRKJSON "):]), cpu
     raise InvalidRequest(f"wrk gave no figures (exit {done.returncode}): "
                          f"{(done.stderr or done.stdout).strip()[:400]}")
 
@@ -525,5 +484,4 @@ def _segment(round_: int, doc: dict[str, Any], wrk_cpu: float, *,
         socket_errors=sum(int(doc[k]) for k in ("connect_errors", "read_errors",
                                                 "write_errors", "timeouts")),
         latency_ms={k: int(doc[f"{k}_us"]) / 1000.0 for k in ("p50", "p90", "p99", "max")},
-        histogram=doc["histogram"],
         wrk_cpu_s=wrk_cpu, server_cpu_s=server_cpu_s, postgres_cpu_s=postgres_cpu_s)
