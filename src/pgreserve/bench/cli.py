@@ -353,14 +353,14 @@ def server_bench(units: int, requests_: int, clients: int, strategy: str, pool_c
 
 
 @bench.command("http")
-@click.option("--seconds", type=click.FloatRange(1, 600), default=10, show_default=True,
-              help="Each measured wrk run against a server.")
+@click.option("--seconds", type=click.IntRange(1, 600), default=10, show_default=True,
+              help="Each measured wrk run against a server (wrk counts whole seconds).")
 @click.option("--rounds", type=click.IntRange(1, 20), default=2, show_default=True,
               help="Measured runs per server, alternating: bare, service | service, bare | "
                    "... (each server's figures are the sums; an even number cancels a "
                    "steady drift of the machine).")
-@click.option("--warmup", type=click.FloatRange(0, 60), default=2, show_default=True,
-              help="An unmeasured wrk run after each start of a server (0: none).")
+@click.option("--warmup", type=click.IntRange(0, 60), default=2, show_default=True,
+              help="Seconds of unmeasured wrk run after each start of a server (0: none).")
 @click.option("--connections", type=click.IntRange(1, 1000), default=64, show_default=True,
               help="wrk connections (concurrent buyers).")
 @click.option("--threads", type=click.IntRange(1, 64), default=2, show_default=True,
@@ -374,7 +374,7 @@ def server_bench(units: int, requests_: int, clients: int, strategy: str, pool_c
               help="Units of the SKU: enough that the run never sells out.")
 @click.option("--pool-cap", type=int, default=1_000, show_default=True)
 @_run_options
-def http_bench(seconds: float, rounds: int, warmup: float, connections: int, threads: int,
+def http_bench(seconds: int, rounds: int, warmup: int, connections: int, threads: int,
                workers: int, strategy: str, units: int, pool_cap: int, durable: bool,
                json_path: str | None, database_url: str | None) -> None:
     """Holds/s through `pgreserve serve --workers N`, sent by wrk, over a bare FastAPI
@@ -426,7 +426,8 @@ def http_bench(seconds: float, rounds: int, warmup: float, connections: int, thr
     out.print(table)
     if result.service.rejected:
         out.print(f"[yellow]the SKU sold out: {result.service.rejected:,} reserves were "
-                  f"refused (409); raise --units for {rounds} x {seconds:g} s[/]")
+                  f"refused (409); raise --units for {rounds} x {seconds:g} s and the "
+                  f"warm-ups[/]")
     out.print(f"reservations in the database: {result.reservations:,} (warm-up included); "
               f"{result.commits:,} commits while the service ran (reads included)")
     ratio = result.ratio

@@ -142,8 +142,8 @@ class Segment:
 class Endpoint:
     """One server's measured wrk runs (`segments`, in the order run) and their sums.
 
-    wrk gives percentiles per run, which cannot be merged: `latency_ms` holds each
-    percentile's largest value over the runs. A CPU figure is None when any run's
+    wrk reports percentiles per run: `latency_ms` holds each percentile's largest
+    value over the runs (the worst run's). A CPU figure is None when any run's
     reading was."""
 
     name: str
