@@ -55,6 +55,7 @@ from ..domain import (
 )
 from ..errors import (
     ApiKeyNotFound,
+    ApiKeyRefused,
     FreezeNotFound,
     InvalidCursor,
     InvalidRequest,
@@ -394,8 +395,6 @@ class ReservationService:
             return
         found = await self.tenants_for_api_key_hashes([api_key_hash])
         if found.get(api_key_hash) != tenant:
-            from ..errors import ApiKeyRefused
-
             raise ApiKeyRefused()
 
     async def tenant_by_name(self, name: str) -> Tenant | None:
@@ -707,19 +706,9 @@ class ReservationService:
 
         `conn`: run it on this connection, inside its open transaction (see `_call`).
         `api_key_hash`: as for `reserve`, the key is checked where the claim runs."""
-        checked = check.api_key_hash(api_key_hash)
-        if conn is None and self.combiner is not None:
-            done = await self._transition_batched("claim", tenant, reservation_id, request_key,
-                                                  checked)
-            if done is not None:
-                return done
-        await self._check_api_key(tenant, checked)  # not decided in a batch: read it
-        if request_key is not None:
-            return await self._keyed(tenant, request_key, "claim", reservation_id, None,
-                                     conn=conn)
-        return await self._transition(queries["reservation_claim"],
-                                      queries["reservation_claim_in"], "claim", tenant,
-                                      reservation_id, conn)
+        return await self._transition("claim", queries["reservation_claim"],
+                                      queries["reservation_claim_in"], tenant, reservation_id,
+                                      request_key, conn, api_key_hash)
 
     async def release(self, tenant: int, reservation_id: str | uuid.UUID, *,
                       request_key: str | None = None,
@@ -729,19 +718,9 @@ class ReservationService:
 
         `conn`: run it on this connection, inside its open transaction (see `_call`).
         `api_key_hash`: as for `reserve`, the key is checked where the release runs."""
-        checked = check.api_key_hash(api_key_hash)
-        if conn is None and self.combiner is not None:
-            done = await self._transition_batched("release", tenant, reservation_id,
-                                                  request_key, checked)
-            if done is not None:
-                return done
-        await self._check_api_key(tenant, checked)  # not decided in a batch: read it
-        if request_key is not None:
-            return await self._keyed(tenant, request_key, "release", reservation_id, None,
-                                     conn=conn)
-        return await self._transition(queries["reservation_release"],
-                                      queries["reservation_release_in"], "release", tenant,
-                                      reservation_id, conn)
+        return await self._transition("release", queries["reservation_release"],
+                                      queries["reservation_release_in"], tenant, reservation_id,
+                                      request_key, conn, api_key_hash)
 
     async def extend(self, tenant: int, reservation_id: str | uuid.UUID,
                      ttl: timedelta | float, *, request_key: str | None = None,
@@ -1115,10 +1094,24 @@ class ReservationService:
             self._qualified[sql] = text
         return text
 
-    async def _transition(self, sql: LiteralString, sql_in: LiteralString, action: str,
-                          tenant: int,
-                          reservation_id: str | uuid.UUID,
-                          conn: psycopg.AsyncConnection[Any] | None = None) -> Reservation:
+    async def _transition(self, action: str, sql: LiteralString, sql_in: LiteralString,
+                          tenant: int, reservation_id: str | uuid.UUID,
+                          request_key: str | None,
+                          conn: psycopg.AsyncConnection[Any] | None,
+                          api_key_hash: bytes | None) -> Reservation:
+        """claim or release (`action`; `sql`/`sql_in`: its call without a request key):
+        through the bucket's batch when it can be, else on its own, the key checked
+        first."""
+        checked = check.api_key_hash(api_key_hash)
+        if conn is None and self.combiner is not None:
+            done = await self._transition_batched(action, tenant, reservation_id, request_key,
+                                                  checked)
+            if done is not None:
+                return done
+        await self._check_api_key(tenant, checked)  # not decided in a batch: read it
+        if request_key is not None:
+            return await self._keyed(tenant, request_key, action, reservation_id, None,
+                                     conn=conn)
         tenant = check.tenant_id(tenant)
         rid = _reservation_id(reservation_id)
         started = perf_counter()
