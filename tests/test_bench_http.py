@@ -42,10 +42,11 @@ def test_an_endpoint_sums_its_runs_and_the_ratio_is_of_the_sums() -> None:
                                          _segment(2, 3000, 1.0, p99=7.0)])
     held = Endpoint("service", "http://s", [_segment(1, 500, 1.0, cpu=None),
                                             _segment(2, 900, 1.0)])
-    assert (bare.created, bare.requests, bare.duration_s) == (4000, 4002, 2.0)
-    assert bare.latency_ms == {"p50": 1.0, "p90": 2.0, "p99": 7.0, "max": 14.0}
-    assert bare.server_cpu_s == 2.0 and bare.cores(bare.server_cpu_s) == 1.0
-    assert held.server_cpu_s is None and held.wrk_cpu_s == 1.0
+    total = bare.total
+    assert (total.created, total.requests, total.duration_s) == (4000, 4002, 2.0)
+    assert total.latency_ms == {"p50": 1.0, "p90": 2.0, "p99": 7.0, "max": 14.0}
+    assert total.server_cpu_s == 2.0 and total.cores(total.server_cpu_s) == 1.0
+    assert held.total.server_cpu_s is None and held.total.wrk_cpu_s == 1.0
     result = HttpBench(bare, held, "row")
     assert result.ratio == pytest.approx(1400 / 4000)
     assert result.round_ratios() == [pytest.approx(0.5), pytest.approx(0.3)]

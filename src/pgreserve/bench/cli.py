@@ -413,19 +413,21 @@ def http_bench(seconds: int, rounds: int, warmup: int, connections: int, threads
                  "cores: server / postgres / wrk"):
         table.add_column(name, justify="left" if name == "server" else "right")
     for endpoint in (result.bare, result.service):
-        cores = [endpoint.cores(c) for c in (endpoint.server_cpu_s, endpoint.postgres_cpu_s,
-                                             endpoint.wrk_cpu_s)]
-        lat = endpoint.latency_ms
-        table.add_row(endpoint.name, f"{endpoint.created_per_s or 0:,.0f}",
-                      f"{endpoint.requests_per_s or 0:,.0f}",
-                      f"{endpoint.rejected + endpoint.other_status:,} non-201, "
-                      f"{endpoint.replayed:,} replayed, "
-                      f"{endpoint.socket_errors:,} socket errors",
+        total = endpoint.total
+        cores = [total.cores(c) for c in (total.server_cpu_s, total.postgres_cpu_s,
+                                          total.wrk_cpu_s)]
+        lat = total.latency_ms
+        table.add_row(endpoint.name, f"{total.created_per_s or 0:,.0f}",
+                      f"{total.requests_per_s or 0:,.0f}",
+                      f"{total.rejected + total.other_status:,} non-201, "
+                      f"{total.replayed:,} replayed, "
+                      f"{total.socket_errors:,} socket errors",
                       f"{lat['p50']:.2f} / {lat['p99']:.2f}",
                       " / ".join("n/a" if c is None else f"{c:.2f}" for c in cores))
     out.print(table)
-    if result.service.rejected:
-        out.print(f"[yellow]the SKU sold out: {result.service.rejected:,} reserves were "
+    refused = result.service.total.rejected
+    if refused:
+        out.print(f"[yellow]the SKU sold out: {refused:,} reserves were "
                   f"refused (409); raise --units for {rounds} x {seconds:g} s and the "
                   f"warm-ups[/]")
     out.print(f"reservations in the database: {result.reservations:,} (warm-up included); "

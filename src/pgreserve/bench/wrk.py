@@ -115,9 +115,10 @@ def wrk_path() -> str:
 
 @dataclass
 class Segment:
-    """One measured wrk run against one server."""
+    """One measured wrk run against one server, or (`Endpoint.total`, round 0) the sum of
+    several."""
 
-    round: int  # 1-based
+    round: int  # 1-based; 0 for a sum
     requests: int
     duration_s: float
     created: int  # 201 answers that are not replays: holds (service) or requests (bare)
@@ -127,80 +128,8 @@ class Segment:
     socket_errors: int
     latency_ms: dict[str, float]
     wrk_cpu_s: float
-    server_cpu_s: float | None = None
+    server_cpu_s: float | None = None  # the uvicorn supervisor and its workers
     postgres_cpu_s: float | None = None
-
-    @property
-    def created_per_s(self) -> float | None:
-        return self.created / self.duration_s if self.duration_s > 0 else None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "created_per_s": self.created_per_s}
-
-
-@dataclass
-class Endpoint:
-    """One server's measured wrk runs (`segments`, in the order run) and their sums.
-
-    wrk reports percentiles per run: `latency_ms` holds each percentile's largest
-    value over the runs (the worst run's). A CPU figure is None when any run's
-    reading was."""
-
-    name: str
-    url: str
-    segments: list[Segment] = field(default_factory=list)
-
-    def _sum(self, name: str) -> Any:
-        return sum(getattr(segment, name) for segment in self.segments)
-
-    def _cpu(self, name: str) -> float | None:
-        values = [getattr(segment, name) for segment in self.segments]
-        return None if not values or None in values else sum(values)
-
-    @property
-    def requests(self) -> int:
-        return int(self._sum("requests"))
-
-    @property
-    def duration_s(self) -> float:
-        return float(self._sum("duration_s"))
-
-    @property
-    def created(self) -> int:  # 201 answers not replayed: holds (service) or requests (bare)
-        return int(self._sum("created"))
-
-    @property
-    def replayed(self) -> int:
-        return int(self._sum("replayed"))
-
-    @property
-    def rejected(self) -> int:
-        return int(self._sum("rejected"))
-
-    @property
-    def other_status(self) -> int:
-        return int(self._sum("other_status"))
-
-    @property
-    def socket_errors(self) -> int:
-        return int(self._sum("socket_errors"))
-
-    @property
-    def latency_ms(self) -> dict[str, float]:
-        return {name: max(segment.latency_ms[name] for segment in self.segments)
-                for name in ("p50", "p90", "p99", "max")} if self.segments else {}
-
-    @property
-    def server_cpu_s(self) -> float | None:  # the uvicorn supervisor and its workers
-        return self._cpu("server_cpu_s")
-
-    @property
-    def postgres_cpu_s(self) -> float | None:
-        return self._cpu("postgres_cpu_s")
-
-    @property
-    def wrk_cpu_s(self) -> float | None:
-        return self._cpu("wrk_cpu_s")
 
     @property
     def created_per_s(self) -> float | None:
@@ -214,14 +143,48 @@ class Endpoint:
         return None if cpu is None or self.duration_s <= 0 else cpu / self.duration_s
 
     def to_dict(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"name": self.name, "url": self.url}
-        for name in ("requests", "duration_s", "created", "replayed", "rejected", "other_status",
-                     "socket_errors", "latency_ms", "server_cpu_s", "postgres_cpu_s",
-                     "wrk_cpu_s", "created_per_s", "requests_per_s"):
-            doc[name] = getattr(self, name)
-        doc["cores"] = {"server": self.cores(self.server_cpu_s),
-                        "postgres": self.cores(self.postgres_cpu_s),
-                        "wrk": self.cores(self.wrk_cpu_s)}
+        return {**asdict(self), "created_per_s": self.created_per_s,
+                "requests_per_s": self.requests_per_s}
+
+
+@dataclass
+class Endpoint:
+    """One server's measured wrk runs (`segments`, in the order run)."""
+
+    name: str
+    url: str
+    segments: list[Segment] = field(default_factory=list)
+
+    @property
+    def total(self) -> Segment:
+        """The runs summed. wrk reports percentiles per run: each percentile is its
+        largest value over the runs (the worst run's). A CPU figure is None when any
+        run's reading was."""
+        runs = self.segments
+
+        def add(name: str) -> Any:
+            return sum(getattr(run, name) for run in runs)
+
+        def cpu(name: str) -> float | None:
+            values = [getattr(run, name) for run in runs]
+            return None if not values or None in values else sum(values)
+
+        return Segment(
+            round=0, requests=add("requests"), duration_s=add("duration_s"),
+            created=add("created"), replayed=add("replayed"), rejected=add("rejected"),
+            other_status=add("other_status"), socket_errors=add("socket_errors"),
+            latency_ms={name: max(run.latency_ms[name] for run in runs)
+                        for name in ("p50", "p90", "p99", "max")} if runs else {},
+            wrk_cpu_s=add("wrk_cpu_s"), server_cpu_s=cpu("server_cpu_s"),
+            postgres_cpu_s=cpu("postgres_cpu_s"))
+
+    def to_dict(self) -> dict[str, Any]:
+        total = self.total
+        doc = {"name": self.name, "url": self.url, **total.to_dict()}
+        del doc["round"]
+        doc["cores"] = {"server": total.cores(total.server_cpu_s),
+                        "postgres": total.cores(total.postgres_cpu_s),
+                        "wrk": total.cores(total.wrk_cpu_s)}
         doc["segments"] = [segment.to_dict() for segment in self.segments]
         return doc
 
@@ -240,7 +203,7 @@ class HttpBench:
 
     @property
     def ratio(self) -> float | None:
-        bare, held = self.bare.created_per_s, self.service.created_per_s
+        bare, held = self.bare.total.created_per_s, self.service.total.created_per_s
         return held / bare if held is not None and bare else None
 
     def round_ratios(self) -> list[float | None]:
