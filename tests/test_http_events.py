@@ -40,3 +40,18 @@ async def test_uncommitted_transaction_holds_the_feed_back(api: ApiTenant, dsn: 
     after = (await api.client.get(f"/v1/events?after={seen['next_cursor']}")).json()
     assert [e["type"] for e in after["events"]] == ["stock.changed", "reservation.created"]
     assert after["events"][0]["data"] == {"slow": True}
+
+
+async def test_a_repeated_single_value_parameter_is_422(api: ApiTenant) -> None:
+    """`limit` and `after` take one value each: a repeat is refused (422, naming it) as on
+    the other list routes, not quietly resolved to one of the values."""
+    from test_http_api import assert_problem
+
+    for query in ("limit=1&limit=2", "after=0-0&after=0-1"):
+        doc = assert_problem(await api.client.get(f"/v1/events?{query}"), 422,
+                             "invalid_request")
+        assert "at most once" in doc["detail"]
+    assert (await api.client.get("/v1/events?limit=1")).status_code == 200
+    for route in ("/v1/stock", "/v1/reservations"):
+        resp = await api.client.get(f"{route}?limit=1&limit=2")
+        assert assert_problem(resp, 422, "invalid_request")["detail"].startswith("limit ")

@@ -201,6 +201,9 @@ def sequence() -> list[Step]:
          b""),                                                             # replayed
         ("POST", "/v1/reservations/{r2}/claim", None, b""),                # released: 409
         ("POST", "/v1/reservations/{r3}/claim", auth_only | {"Idempotency-Key": '"x'}, b""),
+        ("POST", "/v1/reservations/{r3}/claim", auth_only | {"Idempotency-Key": ""}, b""),
+        ("POST", "/v1/reservations/{r3}/release", auth_only | {"Idempotency-Key": ""}, b""),
+        reserve("", cart(("s", "wh", 1))),                              # an empty key
         ("POST", "/v1/reservations/00000000-0000-0000-0000-000000000000/claim", None, b""),
         ("POST", "/v1/reservations/not-a-uuid/release", None, b""),
         ("POST", "/v1/reservations/{r3}/claim", {"Authorization": "Bearer nope"}, b""),

@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import httpx
 import psycopg
+from fastapi import FastAPI
 
 from conftest import ApiTenant
 from pgreserve import Database, ReservationService
@@ -22,10 +23,81 @@ async def test_missing_key_is_400(api: ApiTenant) -> None:
     resp = await api.client.post("/v1/reservations",
                                  json={"lines": [{"sku": "s", "location": "wh", "quantity": 1}]})
     assert_problem(resp, 400, "idempotency_key_missing")
-    resp = await api.client.post("/v1/stock/wh/s/adjustments", json={"delta": 1},
-                                 headers={"Idempotency-Key": ""})
+    resp = await api.client.post("/v1/stock/wh/s/adjustments", json={"delta": 1})
     assert_problem(resp, 400, "idempotency_key_missing")
     assert (await api.client.get("/v1/stock/wh/s")).json()["reserved"] == 0
+
+
+def _written(dsn: str, tenant: int) -> tuple[int, ...]:
+    """The tenant's rows in the tables a keyed operation writes."""
+    with psycopg.connect(dsn) as conn:
+        return tuple(conn.execute(
+            f"SELECT count(*) FROM {table} WHERE tenant_id = %s",  # noqa: S608 (ours)
+            (tenant,)).fetchone()[0]
+            for table in ("reservation", "request_ledger", "outbox_event", "stock_movement"))
+
+
+async def test_an_empty_key_is_refused_everywhere_and_writes_nothing(
+        api: ApiTenant, dsn: str) -> None:
+    """An Idempotency-Key header sent empty is 400 idempotency_key_invalid (docs/api.md)
+    where a key is required and where it is optional: a claim, release or extend with an
+    empty key is refused, not run without a key. Nothing is written."""
+    await put_stock(api, "s", 5)
+    held = await reserve(api, "held-1", CART)
+    rid = held.json()["id"]
+    empty = {"Idempotency-Key": ""}
+    before = _written(dsn, api.tenant.id)
+    line = {"lines": [{"sku": "s", "location": "wh", "quantity": 1}]}
+    answers = [
+        await api.client.post("/v1/reservations", json=line, headers=empty),
+        await api.client.post(f"/v1/reservations/{rid}/claim", headers=empty),
+        await api.client.post(f"/v1/reservations/{rid}/release", headers=empty),
+        await api.client.post(f"/v1/reservations/{rid}/extend", json={"ttl_seconds": 60},
+                              headers=empty),
+        await api.client.put(f"/v1/reservations/{rid}/lines", json=line, headers=empty),
+        await api.client.post("/v1/stock/wh/s/adjustments", json={"delta": 1}, headers=empty),
+    ]
+    for resp in answers:
+        doc = assert_problem(resp, 400, "idempotency_key_invalid")
+        assert "empty" in doc["detail"]
+    assert _written(dsn, api.tenant.id) == before
+    stock = (await api.client.get("/v1/stock/wh/s")).json()
+    assert (stock["on_hand"], stock["reserved"]) == (5, 2)
+    assert (await api.client.get(f"/v1/reservations/{rid}")).content == held.content
+
+
+async def test_a_repeated_key_or_authorization_header_is_refused(
+        app: FastAPI, api: ApiTenant, other: ApiTenant, dsn: str) -> None:
+    """Two Idempotency-Key headers are 400 idempotency_key_invalid and two Authorization
+    headers 401, whichever comes first and even when both name the same value: the
+    request is ambiguous, nothing is written, and no later request finds either key."""
+    await put_stock(api, "s", 5)
+    held = await reserve(api, "held-1", CART)
+    rid = held.json()["id"]
+    before = _written(dsn, api.tenant.id)
+    line = {"lines": [{"sku": "s", "location": "wh", "quantity": 1}]}
+    bearer = api.client.headers["Authorization"]
+    for keys in (["first", "second"], ["same", "same"]):
+        headers = [("Idempotency-Key", k) for k in keys]
+        for resp in (await api.client.post("/v1/reservations", json=line, headers=headers),
+                     await api.client.post(f"/v1/reservations/{rid}/claim", headers=headers),
+                     await api.client.post("/v1/stock/wh/s/adjustments", json={"delta": 1},
+                                           headers=headers)):
+            assert "2" in assert_problem(resp, 400, "idempotency_key_invalid")["detail"]
+    for second in (bearer, "Bearer nope", other.client.headers["Authorization"]):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://test") as bare:
+            headers = [("Authorization", bearer), ("Authorization", second),
+                       ("Idempotency-Key", "auth-twice")]
+            for resp in (await bare.post("/v1/reservations", json=line, headers=headers),
+                         await bare.post(f"/v1/reservations/{rid}/release", headers=headers),
+                         await bare.get("/v1/stock/wh/s", headers=headers[:2])):
+                assert_problem(resp, 401, "unauthorized")
+    assert _written(dsn, api.tenant.id) == before
+    for key in ("first", "second", "same", "auth-twice"):
+        assert (await api.client.get(f"/v1/requests/{key}")).status_code == 404
+    stock = (await api.client.get("/v1/stock/wh/s")).json()
+    assert (stock["on_hand"], stock["reserved"]) == (5, 2)
 
 
 async def test_overlong_key_is_400(api: ApiTenant) -> None:

@@ -232,9 +232,23 @@ BEARER_DESCRIPTION = "An API key from `pgreserve tenant create`"
 
 
 async def tenant_id(request: Request) -> int:
-    """The tenant of the request's bearer API key; 401 when missing or unknown."""
-    return await authenticate(request.app.state, request.scope,
-                              request.headers.get("authorization"))
+    """The tenant of the request's bearer API key; 401 when missing, unknown or sent in
+    more than one Authorization header. A repeated Idempotency-Key header is refused
+    here too (400), once the caller is known and before anything runs: each header
+    names one value, and a request that sends two is ambiguous. (The fast path hands
+    such requests to the routes.)"""
+    headers = request.headers
+    authorization = headers.getlist("authorization")
+    if len(authorization) > 1:
+        raise problems.Unauthorized(
+            f"send one Authorization header, not {len(authorization)}")
+    tenant = await authenticate(request.app.state, request.scope,
+                                authorization[0] if authorization else None)
+    keys = len(headers.getlist("idempotency-key"))
+    if keys > 1:
+        raise problems.IdempotencyKeyInvalid(
+            f"send one Idempotency-Key header, not {keys}", field="Idempotency-Key")
+    return tenant
 
 
 async def authenticate(state: Any, scope: MutableMapping[str, Any],
@@ -420,9 +434,19 @@ def stored_name(value: str, field: str) -> str:
         raise errors.InvalidRequest(f"{field} {exc}", field=field) from None
 
 
+def single_query_values(request: Request, *names: str) -> None:
+    """422 when a query parameter that takes one value is repeated (FastAPI would
+    quietly use one of them)."""
+    for name in names:
+        if len(request.query_params.getlist(name)) > 1:
+            raise errors.InvalidRequest(f"{name} may be given at most once", field=name)
+
+
 def request_key(value: str | None, required: bool) -> str | None:
-    """The Idempotency-Key header, checked; 400 when required and missing."""
-    if value is None or value == "":
+    """The Idempotency-Key header, checked; 400 when required and missing, and when
+    present but empty (a client that sends a key asked for a keyed request: an empty
+    one is refused, never taken as no key)."""
+    if value is None:
         if required:
             raise problems.IdempotencyKeyMissing(
                 "this request needs an Idempotency-Key header (1 to 200 characters)")

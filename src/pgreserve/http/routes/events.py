@@ -5,12 +5,12 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
 from ... import errors
 from .. import problems
-from ..dependencies import Service, Tenant
+from ..dependencies import Service, Tenant, single_query_values
 from ..models import EventsOut
 from ..responses import COMMON, json_response
 
@@ -33,11 +33,12 @@ def cursor_position(after: str | None) -> tuple[int, int] | None:
 
 @router.get("/v1/events", response_model=EventsOut, responses=problems.responses(*COMMON),
             summary="This tenant's events in commit order, after a cursor")
-async def events(tenant: Tenant, svc: Service,
+async def events(tenant: Tenant, svc: Service, request: Request,
                  after: Annotated[str | None, Query(
                      max_length=39, pattern=CURSOR.pattern,
                      description="next_cursor of the previous page")] = None,
                  limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> Response:
+    single_query_values(request, "after", "limit")
     page = await svc.events(tenant, cursor_position(after), limit)
     return json_response(200, {
         "events": [{"id": e.event_id, "type": e.type, "created_at": e.created_at.isoformat(),

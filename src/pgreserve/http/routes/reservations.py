@@ -20,6 +20,7 @@ from ..dependencies import (
     KeyHeader,
     Tenant,
     request_key,
+    single_query_values,
     stored_name,
 )
 from ..models import (
@@ -106,9 +107,7 @@ async def list_reservations(
         cursor: Annotated[str | None, Query(
             min_length=1, max_length=4096,
             description="next_cursor of the previous page")] = None) -> Response:
-    for name in ("cart", "limit", "cursor"):
-        if len(request.query_params.getlist(name)) > 1:
-            raise errors.InvalidRequest(f"{name} may be given at most once", field=name)
+    single_query_values(request, "cart", "limit", "cursor")
     page = await svc.list_reservations(
         tenant, reference=None if cart is None else stored_name(cart, "cart"),
         status=status, limit=limit, after=cursor)

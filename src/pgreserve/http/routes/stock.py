@@ -8,7 +8,6 @@ from fastapi import APIRouter, Header, Query, Request
 from pydantic import StringConstraints
 from starlette.responses import Response
 
-from ... import errors
 from ...core.service import DEFAULT_STOCK_PAGE, MAX_STOCK_FILTER, MAX_STOCK_PAGE
 from .. import conditional, problems
 from ..dependencies import (
@@ -19,6 +18,7 @@ from ..dependencies import (
     Service,
     Tenant,
     request_key,
+    single_query_values,
     stored_name,
 )
 from ..models import StockAdjust, StockOut, StockPageOut, StockSet, stock_doc
@@ -121,9 +121,7 @@ async def list_stock(
         cursor: Annotated[str | None, Query(
             min_length=1, max_length=4096,
             description="next_cursor of the previous page")] = None) -> Response:
-    for name in ("sku_prefix", "location", "limit", "cursor"):
-        if len(request.query_params.getlist(name)) > 1:
-            raise errors.InvalidRequest(f"{name} may be given at most once", field=name)
+    single_query_values(request, "sku_prefix", "location", "limit", "cursor")
     page = await svc.list_stock(
         tenant, skus=None if sku is None else [stored_name(s, "sku") for s in sku],
         sku_prefix=None if sku_prefix is None else stored_name(sku_prefix, "sku_prefix"),
