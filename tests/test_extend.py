@@ -103,3 +103,39 @@ def test_client_extend_raises_the_typed_error(server: tuple[str, str]) -> None: 
             shop.extend(out.reservation.id, 60)
         shorter = shop.extend(out.reservation.id, 60, allow_shorten=True)
         assert shorter.expires_at < out.reservation.expires_at
+
+
+@pytest.mark.parametrize("strategy", ["row", "pool"])
+async def test_an_extend_that_waited_past_expiry_refuses_a_hold_given_up_meanwhile(
+        service: ReservationService, tenant: Tenant, dsn: str, strategy: str) -> None:
+    """An extend that waits for the reservation's lock across its expiry, while another
+    buyer's reserve gives up its expired line and takes the unit, is refused as not
+    active: it does not answer "active for 60 s more" for a hold that holds nothing
+    (whose claim would then fail). Judged on the clock read after the lock wait."""
+    import asyncio
+    from datetime import UTC, datetime
+
+    from pgreserve.errors import ReservationNotActive
+    from test_concurrency import wait_until_blocked
+
+    await service.set_stock(tenant.id, "hot", "wh", 1, strategy=strategy)
+    first = (await service.reserve(tenant.id, "a", [("hot", "wh", 1)], ttl=1)).reservation
+    assert first is not None
+    with psycopg.connect(dsn) as blocker:  # the header locked, as any transaction can
+        blocker.execute("SELECT 1 FROM reservation WHERE reservation_id = %s FOR UPDATE",
+                        (first.id,))
+        extend = asyncio.create_task(service.extend(tenant.id, first.id, 60))
+        await wait_until_blocked(dsn)
+        await asyncio.sleep(max(0.0, (first.expires_at - datetime.now(UTC)).total_seconds())
+                            + 0.2)
+        second = await service.reserve(tenant.id, "b", [("hot", "wh", 1)], ttl=600)
+        assert second.held  # the unit of the expired hold, given up
+        blocker.rollback()
+    with pytest.raises(ReservationNotActive):
+        await extend
+    now = await service.get_reservation(tenant.id, first.id)
+    assert now.status.value == "expired" and now.expires_at == first.expires_at
+    assert expiries(dsn, first.id) == (first.expires_at, first.expires_at)
+    stock = await service.get_stock(tenant.id, "hot", "wh")
+    assert (stock.on_hand, stock.reserved, stock.available) == (1, 1, 0)
+    assert await service.invariant_violations() == []

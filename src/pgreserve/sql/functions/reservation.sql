@@ -504,11 +504,22 @@ SET plan_cache_mode = force_generic_plan
 SET enable_seqscan = off
 AS $$
 DECLARE
-    v_now timestamptz := coalesce(p_now, clock_timestamp());
+    v_now timestamptz;
     v_res reservation;
 BEGIN
     v_res := reservation_lock_v1(p_tenant, p_id);
-    IF v_res.status <> 'active' OR v_res.expires_at <= v_now THEN
+    -- Judged after the lock waits, on the lines too: a reserve may have given
+    -- up the lines of this reservation once it expired (bucket_reclaim_expired_v1
+    -- locks the lines, not the header) while this extend waited for the header.
+    -- Such a reservation is expired, whatever its header says.
+    v_now := coalesce(p_now, clock_timestamp());
+    PERFORM 1 FROM reservation_line
+    WHERE tenant_id = p_tenant AND reservation_id = p_id
+    ORDER BY line_no
+    FOR UPDATE;
+    IF v_res.status <> 'active' OR v_res.expires_at <= v_now
+       OR EXISTS (SELECT 1 FROM reservation_line
+                  WHERE tenant_id = p_tenant AND reservation_id = p_id AND NOT held) THEN
         RAISE EXCEPTION 'reservation % is not active', p_id USING ERRCODE = 'PR426',
             DETAIL = CASE WHEN v_res.status = 'active' THEN 'expired' ELSE v_res.status END;
     END IF;
@@ -518,9 +529,9 @@ BEGIN
             USING ERRCODE = 'PR427', DETAIL = v_res.expires_at::text;
     END IF;
     -- Lines carry expires_at too (the reserve path reclaims by line); the
-    -- header lock is held, so no claim or release interleaves.
+    -- header and line locks are held, so nothing interleaves. Every line is held.
     UPDATE reservation_line SET expires_at = v_now + p_ttl
-    WHERE tenant_id = p_tenant AND reservation_id = p_id AND held;
+    WHERE tenant_id = p_tenant AND reservation_id = p_id;
     UPDATE reservation SET expires_at = v_now + p_ttl
     WHERE tenant_id = p_tenant AND reservation_id = p_id;
     RETURN reservation_view_v1(p_tenant, p_id, v_now);
