@@ -477,3 +477,46 @@ async def test_cart_waiting_on_its_first_line_counts_a_hold_that_expired_meanwhi
                       f"{'held' if fresh.held else 'rejected'})")
     assert not fresh.held
     assert await service.invariant_violations() == []
+
+
+async def test_a_stock_change_does_not_count_holds_past_their_expiry(
+        timed: ReservationService, tenant: Tenant, clock: Any, strategy: str,
+        dsn: str) -> None:
+    """A hold past its expiry no longer counts against stock, before the sweeper too
+    (docs/state-machine.md): a correction or count below the units such holds kept is
+    applied, giving them up first, as a short reserve would, and a forced one records
+    only the live holds' missing units as shortfall. Below the live holds it is still
+    refused (would_oversell naming them), and then nothing changes."""
+    from pgreserve.errors import WouldOversell
+
+    t = tenant.id
+    await timed.set_stock(t, "s", "wh", 5, strategy=strategy)
+    late = (await timed.reserve(t, "late", [("s", "wh", 3)], ttl=60)).reservation
+    assert late is not None
+    clock.advance(120)  # `late` is past its expiry; the sweeper has not run
+    live = (await timed.reserve(t, "live", [("s", "wh", 2)], ttl=600)).reservation
+    assert live is not None
+    stock = await timed.get_stock(t, "s", "wh")
+    assert (stock.on_hand, stock.reserved, stock.available) == (5, 2, 3)
+
+    before = table_counts(dsn)
+    with pytest.raises(WouldOversell) as refused:
+        await timed.adjust_stock(t, "too-far", "s", "wh", -4)
+    assert "2 units held" in str(refused.value)
+    assert table_counts(dsn) == before  # nothing given up, nothing written
+
+    after = await timed.adjust_stock(t, "damaged", "s", "wh", -1)
+    assert (after.on_hand, after.reserved, after.available) == (4, 2, 2)
+    counted = await timed.set_stock(t, "s", "wh", 3)
+    assert (counted.on_hand, counted.reserved, counted.available) == (3, 2, 1)
+    forced = await timed.set_stock(t, "s", "wh", 1, force=True)
+    assert (forced.on_hand, forced.reserved, forced.shortfall) == (2, 2, 1)
+    assert (await timed.get_reservation(t, late.id)).status.value == "expired"
+    with psycopg.connect(dsn) as conn:
+        restores = conn.execute(
+            "SELECT count(*), sum(quantity) FROM stock_movement WHERE reservation_id = %s"
+            " AND kind = 'restore'", (late.id,)).fetchone()
+    assert restores == (1, 3)  # given up once, its 3 units back once
+    await Sweeper(timed).run_once()  # the sweeper finds nothing more to give back
+    assert (await timed.get_stock(t, "s", "wh")).reserved == 2
+    assert await timed.invariant_violations() == []

@@ -424,22 +424,34 @@ BEGIN
 END $$;
 
 -- Write a new on_hand for an exclusively locked bucket (pool drained), given
--- the units held. Below the held units: PR412 unless forced, in which case
--- the missing held units are recorded as shortfall. Refills the pool.
+-- the units held. Below the held units, the holds past their expiry are given
+-- up first (they no longer count against stock, as for a short reserve); still
+-- below: PR412 unless forced, in which case the missing held units are
+-- recorded as shortfall. Refills the pool.
 CREATE OR REPLACE FUNCTION bucket_apply_on_hand_v1(p_tenant bigint, p_bucket bigint, p_held bigint,
                                         p_physical bigint, p_force boolean,
                                         p_now timestamptz)
 RETURNS void LANGUAGE plpgsql AS $$
 DECLARE
-    v_short bigint := greatest(0, p_held - p_physical);
+    v_held bigint := p_held;
+    v_short bigint;
 BEGIN
+    IF v_held > p_physical THEN
+        -- The lines are locked (bucket_lock_exclusive_v1). A give-up writes off
+        -- shortfall first, which leaves on_hand - shortfall, the callers'
+        -- physical count before the change, as it was.
+        PERFORM bucket_reclaim_expired_v1(p_tenant, p_bucket, p_now, 9223372036854775807);
+        SELECT coalesce(sum(quantity - backordered), 0) INTO v_held FROM reservation_line
+        WHERE tenant_id = p_tenant AND bucket_id = p_bucket AND held;
+    END IF;
+    v_short := greatest(0, v_held - p_physical);
     IF v_short > 0 AND NOT p_force THEN
-        RAISE EXCEPTION 'stock would fall below the % units held', p_held
-            USING ERRCODE = 'PR412', DETAIL = p_held::text;
+        RAISE EXCEPTION 'stock would fall below the % units held', v_held
+            USING ERRCODE = 'PR412', DETAIL = v_held::text;
     END IF;
     UPDATE stock_bucket
-    SET on_hand = greatest(p_physical, p_held),
-        free = greatest(p_physical, p_held) - p_held,
+    SET on_hand = greatest(p_physical, v_held),
+        free = greatest(p_physical, v_held) - v_held,
         shortfall = v_short,
         updated_at = p_now
     WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
