@@ -56,15 +56,9 @@ BEGIN
     ELSIF v_res.status = 'released' THEN
         RAISE EXCEPTION 'reservation % was released', p_id USING ERRCODE = 'PR423';
     END IF;
-    -- Its lines, locked. An active reservation before its expiry holds every
-    -- line; one that does not (given up by a reserve after it expired) is expired.
-    PERFORM 1 FROM reservation_line
-    WHERE tenant_id = p_tenant AND reservation_id = p_id
-    ORDER BY line_no
-    FOR UPDATE;
-    IF v_res.status <> 'active' OR v_res.expires_at <= v_now
-       OR EXISTS (SELECT 1 FROM reservation_line
-                  WHERE tenant_id = p_tenant AND reservation_id = p_id AND NOT held) THEN
+    -- Its lines, locked; one given up by a reserve after it expired: expired.
+    IF NOT reservation_lines_held_v1(p_tenant, p_id)
+       OR v_res.status <> 'active' OR v_res.expires_at <= v_now THEN
         RAISE EXCEPTION 'reservation % is not active', p_id USING ERRCODE = 'PR426',
             DETAIL = 'expired';
     END IF;

@@ -368,6 +368,22 @@ BEGIN
     RETURN v_row;
 END $$;
 
+-- Lock a reservation's lines (after its header: reservation_lock_v1) in line
+-- order; true when every one is held. An active reservation before its expiry
+-- holds every line; one that does not had its lines given up by a reserve after
+-- it expired (bucket_reclaim_expired_v1 locks the lines, not the header), and
+-- is expired whatever its header says.
+CREATE OR REPLACE FUNCTION reservation_lines_held_v1(p_tenant bigint, p_id uuid)
+RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM 1 FROM reservation_line
+    WHERE tenant_id = p_tenant AND reservation_id = p_id
+    ORDER BY line_no
+    FOR UPDATE;
+    RETURN NOT EXISTS (SELECT 1 FROM reservation_line
+                       WHERE tenant_id = p_tenant AND reservation_id = p_id AND NOT held);
+END $$;
+
 -- Payment succeeded: deduct on_hand for every line, in one transaction with
 -- the state change. A reservation past its expiry is claimed only if every
 -- line that was given up can be taken again now.
@@ -509,17 +525,10 @@ DECLARE
 BEGIN
     v_res := reservation_lock_v1(p_tenant, p_id);
     -- Judged after the lock waits, on the lines too: a reserve may have given
-    -- up the lines of this reservation once it expired (bucket_reclaim_expired_v1
-    -- locks the lines, not the header) while this extend waited for the header.
-    -- Such a reservation is expired, whatever its header says.
+    -- up this reservation's lines once it expired while this extend waited.
     v_now := coalesce(p_now, clock_timestamp());
-    PERFORM 1 FROM reservation_line
-    WHERE tenant_id = p_tenant AND reservation_id = p_id
-    ORDER BY line_no
-    FOR UPDATE;
     IF v_res.status <> 'active' OR v_res.expires_at <= v_now
-       OR EXISTS (SELECT 1 FROM reservation_line
-                  WHERE tenant_id = p_tenant AND reservation_id = p_id AND NOT held) THEN
+       OR NOT reservation_lines_held_v1(p_tenant, p_id) THEN
         RAISE EXCEPTION 'reservation % is not active', p_id USING ERRCODE = 'PR426',
             DETAIL = CASE WHEN v_res.status = 'active' THEN 'expired' ELSE v_res.status END;
     END IF;
