@@ -14,6 +14,13 @@ One whose deadline passes while it is queued is answered `Busy` and never sent;
 the wait for the drain's connection is bounded by the earliest deadline queued,
 and a batch's call runs under the earliest deadline of its requests.
 
+Arrival order: a request the batch cannot decide (answered retry: its caller
+sends it alone, unbatched) stops the batch there. The requests after it are
+not decided in that batch (answered deferred) but go back to the head of the
+queue, and the next batch leaves only once the caller has had its turn
+(`Combiner.request`), so every request is decided after those that arrived
+before it, as if each had been sent alone in arrival order.
+
 Several processes may batch the same bucket: their batches serialise on the
 bucket's row lock, and requests with one key on the key's advisory lock, as the
 unbatched calls do.
@@ -22,12 +29,13 @@ unbatched calls do.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -100,8 +108,22 @@ class BatchStats:
         return max(self.sizes)
 
 
-# A queued request, its caller's answer and its deadline (monotonic, or None).
-_Pending = tuple[BatchRequest, "asyncio.Future[dict[str, Any]]", float | None]
+@dataclass(eq=False, slots=True)
+class _Pending:
+    """A queued request, its caller's answer, its deadline (monotonic, or None) and,
+    once answered retry, the end of its caller's turn."""
+
+    request: BatchRequest
+    future: asyncio.Future[dict[str, Any]]
+    end: float | None
+    turn: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+# How long the next batch waits at most for a retried request's caller to end its
+# turn when the request has no deadline (its unbatched call is bounded by the
+# database's own timeouts; this only keeps a caller that never ends it from
+# stopping the bucket's queue).
+TURN_WAIT_S = 60.0
 
 
 class Combiner:
@@ -123,11 +145,21 @@ class Combiner:
 
     async def submit(self, tenant: int, bucket: int, request: BatchRequest) -> dict[str, Any]:
         """Queue a request and wait for its own answer: `{"ok": doc}`,
-        `{"error": sqlstate, ...}` or `{"retry": true}`.
+        `{"error": sqlstate, ...}`, `{"skipped": true}` or `{"retry": true}`; a
+        caller that sends a retried request alone uses `request` instead.
 
         The caller's cancellation does not cancel the request: it stays in its
         batch, which commits, and its key keeps the answer for a retry.
         """
+        async with self.request(tenant, bucket, request) as answer:
+            return answer
+
+    @contextlib.asynccontextmanager
+    async def request(self, tenant: int, bucket: int,
+                      request: BatchRequest) -> AsyncIterator[dict[str, Any]]:
+        """`submit`, with the caller's turn: when the answer is `{"retry": true}`,
+        the bucket's later requests wait until this block ends, so what the caller
+        does in it (the request's unbatched call) comes before them."""
         key = (tenant, bucket)
         queue = self._queues.setdefault(key, deque())
         if len(queue) >= self.config.max_queue:
@@ -136,10 +168,14 @@ class Combiner:
                               "retry later")
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         future.add_done_callback(_retrieve)
-        queue.append((request, future, current_deadline()))
+        pending = _Pending(request, future, current_deadline())
+        queue.append(pending)
         if key not in self._tasks:
             self._tasks[key] = asyncio.create_task(self._drain(key))
-        return await asyncio.shield(future)
+        try:
+            yield await asyncio.shield(future)
+        finally:
+            pending.turn.set()  # also when the caller is gone: nobody takes the turn
 
     async def _drain(self, key: tuple[int, int]) -> None:
         queue = self._queues[key]
@@ -154,20 +190,28 @@ class Combiner:
                 # A hot bucket's batches run back to back on one session: its
                 # compiled function and plans stay warm, no checkout per batch.
                 # When others wait for a connection of the pool, the session is
-                # handed back after the batch and taken again in turn.
+                # handed back after the batch and taken again in turn; and while
+                # a retried request's caller has its turn (its unbatched call
+                # needs a connection too).
                 self._drop_late(queue)
                 if not queue:
                     break
                 session = self.db.session(BATCH_OP)
                 with deadline_at(_earliest(queue)):
                     await session.connection()
+                retried: _Pending | None = None
                 async with session:
                     while queue:
                         batch = self._next_batch(queue)
                         if batch:
-                            await self._send(key, batch, session)
+                            retried, later = await self._send(key, batch, session)
+                            queue.extendleft(reversed(later))
+                            if retried is not None:
+                                break
                         if session.lost or session.contended():
                             break
+                if retried is not None:
+                    await _turn_over(retried)
         except Exception as exc:  # noqa: BLE001 (_send answers its own batch's errors)
             # no session in time: the waiting requests were not sent
             log.warning("no connection for the batches of bucket %s: %s", key, exc)
@@ -185,9 +229,9 @@ class Combiner:
     def _drop_late(self, queue: deque[_Pending]) -> None:
         """Answer Busy to the queued requests past their deadline (never sent)."""
         now = time.monotonic()
-        late = [p for p in queue if p[2] is not None and p[2] <= now]
+        late = [p for p in queue if p.end is not None and p.end <= now]
         if late:
-            kept = [p for p in queue if p[2] is None or p[2] > now]
+            kept = [p for p in queue if p.end is None or p.end > now]
             queue.clear()
             queue.extend(kept)
             self.stats.busy += len(late)
@@ -200,7 +244,7 @@ class Combiner:
         now = time.monotonic()
         while queue and len(batch) < self.config.max_batch:
             pending = queue.popleft()
-            end = pending[2]
+            end = pending.end
             if end is not None and end <= now:
                 self.stats.busy += 1
                 _fail([pending], _late_busy())
@@ -209,9 +253,11 @@ class Combiner:
         return batch
 
     async def _send(self, key: tuple[int, int], batch: Sequence[_Pending],
-                    session: Session) -> None:
+                    session: Session) -> tuple[_Pending | None, list[_Pending]]:
+        """Send a batch; the request answered retry (if one was), and the requests
+        after it, not decided, to queue again in their order."""
         try:
-            await self._send_once(key, batch, session)
+            return await self._send_once(key, batch, session)
         except BaseException:
             # cancelled in flight (shutdown): the batch may have committed, so
             # each unanswered request resolves by its key, as after a lost connection
@@ -221,9 +267,9 @@ class Combiner:
             raise
 
     async def _send_once(self, key: tuple[int, int], batch: Sequence[_Pending],
-                         session: Session) -> None:
+                         session: Session) -> tuple[_Pending | None, list[_Pending]]:
         tenant, bucket = key
-        requests = [r for r, _, _ in batch]
+        requests = [p.request for p in batch]
         # requests that bring an API key to check go through the keyed function
         keyed = any(r.api_key is not None for r in requests)
         sql = queries["bucket_batch_keyed"] if keyed else queries["bucket_batch"]
@@ -244,26 +290,38 @@ class Combiner:
         except (errors.Busy, errors.OutcomeUnknown) as exc:
             # shared by every request of the batch: each resolves it by its key
             _fail(batch, exc)
-            return
+            return None, []
         except Exception as exc:  # noqa: BLE001 (isolated by splitting, re-raised alone)
             if len(batch) == 1:
                 _fail(batch, exc)
-                return
+                return None, []
             log.warning("a batch of %d failed (%s); sending it in halves", len(batch), exc)
             self.stats.splits += 1
             half = len(batch) // 2
-            await self._send(key, batch[:half], session)
-            await self._send(key, batch[half:], session)
-            return
+            first, rest = await self._send(key, batch[:half], session)
+            if first is not None:  # the second half waits behind the first's retry
+                return first, [*rest, *batch[half:]]
+            return await self._send(key, batch[half:], session)
         self.stats.batches += 1
         self.stats.requests += len(batch)
-        self.stats.sizes[len(batch)] += len(batch)
         if not isinstance(answers, list) or len(answers) != len(batch):
+            self.stats.sizes[len(batch)] += len(batch)
             _fail(batch, RuntimeError("bucket_batch_v1 answered a different number of requests"))
-            return
-        for (_, future, _), answer in zip(batch, answers, strict=True):
-            if not future.done():
-                future.set_result(answer)
+            return None, []
+        retried = None
+        later: list[_Pending] = []
+        for pending, answer in zip(batch, answers, strict=True):
+            if isinstance(answer, dict) and answer.get("deferred"):
+                later.append(pending)
+                continue
+            if retried is None and isinstance(answer, dict) and answer.get("retry"):
+                retried = pending
+            if not pending.future.done():
+                pending.future.set_result(answer)
+        decided = len(batch) - len(later)  # at least the retried one
+        self.stats.requests -= len(later)
+        self.stats.sizes[decided] += decided
+        return retried, later
 
 
 def _late_busy() -> errors.Busy:
@@ -283,14 +341,25 @@ def _references(requests: Sequence[BatchRequest]) -> tuple[str | None, str | Non
 
 def _earliest(batch: Sequence[_Pending] | deque[_Pending]) -> float | None:
     """The earliest deadline of these requests (None: none has one)."""
-    ends = [end for _, _, end in batch if end is not None]
+    ends = [p.end for p in batch if p.end is not None]
     return min(ends) if ends else None
 
 
 def _fail(batch: Sequence[_Pending], exc: BaseException) -> None:
-    for _, future, _ in batch:
-        if not future.done():
-            future.set_exception(exc)
+    for pending in batch:
+        if not pending.future.done():
+            pending.future.set_exception(exc)
+
+
+async def _turn_over(pending: _Pending) -> None:
+    """Wait until the caller of a retried request has ended its turn (at most until
+    its deadline, or TURN_WAIT_S without one)."""
+    wait = TURN_WAIT_S if pending.end is None else max(0.0, pending.end - time.monotonic())
+    try:
+        await asyncio.wait_for(pending.turn.wait(), wait + 1.0)
+    except TimeoutError:
+        log.warning("a retried request's caller kept its turn over %.0f s; the bucket's "
+                    "next batch leaves without it", wait + 1.0)
 
 
 def _retrieve(future: asyncio.Future[dict[str, Any]]) -> None:

@@ -16,7 +16,7 @@ import json
 import secrets
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from time import perf_counter
 from typing import Any, Literal, LiteralString, Protocol, cast
@@ -602,19 +602,23 @@ class ReservationService:
         ref, meta = check.reference(reference), check.metadata(metadata)
         fingerprint = reserve_digest(cart, life, ref, meta)
         started = perf_counter()
+
+        async def alone() -> ReserveOutcome:
+            await self._check_api_key(tenant, checked)  # not decided in a batch: read it
+            return await self._reserve_call(
+                queries["reservation_reserve"], queries["reservation_reserve_in"],
+                (tenant, key, fingerprint, lit.text_array(x.sku for x in cart),
+                 lit.text_array(x.location for x in cart),
+                 lit.int_array(x.quantity for x in cart), lit.interval(life), self.clock(),
+                 ref, json.dumps(meta) if meta else None),
+                conn, started)
+
         if conn is None and self.combiner is not None and len(cart) == 1:
             outcome = await self._reserve_batched(tenant, key, fingerprint, cart[0], life,
-                                                  started, ref, meta, checked)
+                                                  started, alone, ref, meta, checked)
             if outcome is not None:
                 return outcome
-        await self._check_api_key(tenant, checked)  # not decided in a batch: read it
-        return await self._reserve_call(
-            queries["reservation_reserve"], queries["reservation_reserve_in"],
-            (tenant, key, fingerprint, lit.text_array(x.sku for x in cart),
-             lit.text_array(x.location for x in cart),
-             lit.int_array(x.quantity for x in cart), lit.interval(life), self.clock(),
-             ref, json.dumps(meta) if meta else None),
-            conn, started)
+        return await alone()
 
     async def _reserve_call(self, sql: LiteralString, sql_in: LiteralString,
                             params: tuple[Any, ...],
@@ -1103,48 +1107,60 @@ class ReservationService:
         through the bucket's batch when it can be, else on its own, the key checked
         first."""
         checked = check.api_key_hash(api_key_hash)
+
+        async def alone() -> Reservation:
+            await self._check_api_key(tenant, checked)  # not decided in a batch: read it
+            if request_key is not None:
+                return await self._keyed(tenant, request_key, action, reservation_id, None,
+                                         conn=conn)
+            t = check.tenant_id(tenant)
+            rid = _reservation_id(reservation_id)
+            started = perf_counter()
+            try:
+                doc = await self._call(sql, sql_in, (t, rid, self.clock()), OPS[action], conn)
+            except Exception as exc:
+                self._observe(action, _failure(exc), started)
+                raise
+            self._observe(action, "ok", started)
+            return Reservation.from_json(doc)
+
         if conn is None and self.combiner is not None:
             done = await self._transition_batched(action, tenant, reservation_id, request_key,
-                                                  checked)
+                                                  alone, checked)
             if done is not None:
                 return done
-        await self._check_api_key(tenant, checked)  # not decided in a batch: read it
-        if request_key is not None:
-            return await self._keyed(tenant, request_key, action, reservation_id, None,
-                                     conn=conn)
-        tenant = check.tenant_id(tenant)
-        rid = _reservation_id(reservation_id)
-        started = perf_counter()
-        try:
-            doc = await self._call(sql, sql_in, (tenant, rid, self.clock()), OPS[action], conn)
-        except Exception as exc:
-            self._observe(action, _failure(exc), started)
-            raise
-        self._observe(action, "ok", started)
-        return Reservation.from_json(doc)
+        return await alone()
 
     # -- group commit (core/batching.py) ---------------------------------------
 
     async def _reserve_batched(self, tenant: int, key: str, fingerprint: str, line: Line,
-                               life: timedelta, started: float, reference: str | None = None,
+                               life: timedelta, started: float,
+                               alone: Callable[[], Awaitable[ReserveOutcome]],
+                               reference: str | None = None,
                                metadata: dict[str, str] | None = None,
                                api_key: bytes | None = None) -> ReserveOutcome | None:
-        """A one-line reserve through its bucket's combiner; None: send it unbatched."""
+        """A one-line reserve through its bucket's combiner; None: send it unbatched.
+        One the batch cannot decide is sent `alone` in its turn (Combiner.request)."""
         combiner = self.combiner
         if combiner is None:
             return None
         bucket = await self._bucket_id(tenant, line.sku, line.location)
         if bucket is None:
             return None  # the unbatched call says what is unknown
+        request = BatchRequest("reserve", key=key, digest=fingerprint, quantity=line.quantity,
+                               ttl=life, reference=reference, metadata=metadata or None,
+                               api_key=api_key)
+        sent_alone = False
         try:
-            doc = _batch_answer(await combiner.submit(tenant, bucket, BatchRequest(
-                "reserve", key=key, digest=fingerprint, quantity=line.quantity, ttl=life,
-                reference=reference, metadata=metadata or None, api_key=api_key)))
+            async with combiner.request(tenant, bucket, request) as answer:
+                doc = _batch_answer(answer)
+                if doc is None:
+                    sent_alone = True
+                    return await alone()  # (observed there)
         except Exception as exc:
-            self._observe("reserve", _failure(exc), started)
+            if not sent_alone:
+                self._observe("reserve", _failure(exc), started)
             raise
-        if doc is None:
-            return None
         outcome = ReserveOutcome.from_json(doc)
         if outcome.reservation is not None:
             self._remember_bucket(tenant, uuid.UUID(outcome.reservation.id), bucket)
@@ -1155,9 +1171,11 @@ class ReservationService:
     async def _transition_batched(self, action: str, tenant: int,
                                   reservation_id: str | uuid.UUID,
                                   request_key: str | None,
+                                  alone: Callable[[], Awaitable[Reservation]],
                                   api_key: bytes | None = None) -> Reservation | None:
         """A claim or release of a one-line reservation through its bucket's combiner;
-        None: send it unbatched."""
+        None: send it unbatched. One the batch cannot decide is sent `alone` in its
+        turn (Combiner.request)."""
         combiner = self.combiner
         if combiner is None:
             return None
@@ -1168,16 +1186,20 @@ class ReservationService:
         if bucket is None:
             return None
         started = perf_counter()
+        request = BatchRequest(
+            action, key=key, digest=digest(action, {"id": str(rid)}) if key is not None else None,
+            reservation_id=rid, api_key=api_key)
+        sent_alone = False
         try:
-            doc = _batch_answer(await combiner.submit(tenant, bucket, BatchRequest(
-                action, key=key,
-                digest=digest(action, {"id": str(rid)}) if key is not None else None,
-                reservation_id=rid, api_key=api_key)))
+            async with combiner.request(tenant, bucket, request) as answer:
+                doc = _batch_answer(answer)
+                if doc is None:
+                    sent_alone = True
+                    return await alone()  # (observed there)
         except Exception as exc:
-            self._observe(action, _failure(exc), started)
+            if not sent_alone:
+                self._observe(action, _failure(exc), started)
             raise
-        if doc is None:
-            return None
         if key is None:
             self._observe(action, "ok", started)
             return Reservation.from_json(doc)

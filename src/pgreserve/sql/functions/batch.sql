@@ -16,6 +16,13 @@
 --   {"retry": true}    not decidable here (a reservation of several lines, a
 --                      shortage that units other transactions hold might
 --                      cover): the caller sends it alone, unbatched
+--   {"deferred": true} not decided: it came after a request answered retry.
+--                      Deciding it here would put it before that request,
+--                      which would break arrival order (a later request taking
+--                      the stock an earlier short one could have had, a key
+--                      repeated after it bound to the repeat). The combiner
+--                      sends it in a later batch, once the retried request
+--                      has been answered alone. Nothing is written for it.
 --   {"skipped": true}  an expiry of a reservation no longer due (claimed,
 --                      released, expired or extended meanwhile)
 --   {"ok": {"added": n}}  a refill: n units put into the pool
@@ -76,6 +83,7 @@ DECLARE
     v_limited jsonb;          -- this reserve's refusal, when over the per-cart limit
     v_others boolean := false;
     v_refill boolean := false;
+    v_stop boolean := false;  -- a request was answered retry: the rest are deferred
     -- what the batch writes, set-based at the end
     h_ids uuid[] := '{}';
     h_keys text[] := '{}';
@@ -217,6 +225,10 @@ BEGIN
     END IF;
 
     FOR i IN 1 .. v_n LOOP
+        IF v_stop THEN
+            v_out[i] := '{"deferred": true}';
+            CONTINUE;
+        END IF;
         IF p_keys[i] IS NOT NULL THEN
             j := array_position(k_keys, p_keys[i]);
             IF j IS NOT NULL THEN
@@ -290,6 +302,7 @@ BEGIN
                 -- units another transaction holds may cover it, or the backorder
                 -- allowance (taken unbatched, policy.sql): not for here
                 v_out[i] := '{"retry": true}';
+                v_stop := true;
                 CONTINUE;
             ELSE
                 -- under the bucket lock: free is exact, the pool is empty and
@@ -333,6 +346,7 @@ BEGIN
         IF r_lines[j] <> 1 OR r_bucket[j] <> p_bucket OR r_line[j] <> 1
            OR r_backordered[j] > 0 THEN
             v_out[i] := '{"retry": true}';
+            v_stop := true;
             CONTINUE;
         END IF;
         v_q := r_qty[j];
@@ -346,6 +360,7 @@ BEGIN
                     -- expired earlier in this batch: one row update per
                     -- reservation and batch, so this late claim goes alone
                     v_out[i] := '{"retry": true}';
+                    v_stop := true;
                     CONTINUE;
                 END IF;
                 IF NOT r_held[j] THEN
@@ -370,6 +385,7 @@ BEGIN
                     IF v_units + greatest(0, v_free - v_safety) < v_q THEN
                         IF v_others THEN
                             v_out[i] := '{"retry": true}';
+                            v_stop := true;
                         ELSE
                             v_out[i] := jsonb_build_object(
                                 'error', 'PR425', 'message',
@@ -534,7 +550,7 @@ BEGIN
         v_w := CASE WHEN b.strategy = 'pool'
                     THEN (pool_replenish_v1(p_tenant, p_bucket, 0, v_now)).added ELSE 0 END;
         FOR i IN 1 .. v_n LOOP
-            IF p_kinds[i] = 'refill' THEN
+            IF p_kinds[i] = 'refill' AND v_out[i] IS NULL THEN
                 v_out[i] := jsonb_build_object('ok', jsonb_build_object('added', v_w));
                 v_w := 0;
             END IF;
