@@ -327,3 +327,26 @@ async def test_a_limit_lowered_below_what_is_backordered_keeps_the_holds_and_sto
     assert books(dsn, tenant.id, "tee") == {"on_hand": 4, "free": 0, "held": 2, "owed": 0,
                                             "lines": 2}
     assert await svc.invariant_violations(tenant.id) == []
+
+
+async def test_an_expired_hold_all_backordered_gives_its_allowance_to_the_next_cart(
+        db: Database, clock: Clock, tenant: Tenant, strategy: str) -> None:
+    """A hold made only of backordered units (nothing on hand) that expired unswept gives
+    its allowance back to the next cart that needs it, on either strategy, and a refusal
+    reports what really could be held: the allowance is read again after the give-up,
+    also when it returned no unit on hand."""
+    svc = ReservationService(db, clock=clock, batching=False)
+    await svc.set_stock(tenant.id, "yp", "w", 0, strategy=strategy, backorder_limit=2)
+    await svc.set_stock(tenant.id, "other", "w", 5)
+    held = await svc.reserve(tenant.id, "k1", [("yp", "w", 1)], ttl=60)
+    assert held.reservation is not None and held.reservation.lines[0].backordered == 1
+    clock.advance(61)
+    assert (await svc.get_stock(tenant.id, "yp", "w")).available == 2
+    too_many = await svc.reserve(tenant.id, "k2", [("yp", "w", 3), ("other", "w", 1)],
+                                 ttl=60)
+    assert not too_many.held
+    assert [(s.requested, s.available) for s in too_many.short_lines] == [(3, 2)]
+    cart = await svc.reserve(tenant.id, "k3", [("yp", "w", 2), ("other", "w", 1)], ttl=60)
+    assert cart.held and cart.reservation is not None
+    assert [x.backordered for x in cart.reservation.lines] == [0, 2]  # (other, yp)
+    assert await svc.invariant_violations(tenant.id) == []

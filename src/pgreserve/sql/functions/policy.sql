@@ -63,11 +63,11 @@ BEGIN
             USING ERRCODE = 'serialization_failure';
     END IF;
     -- expired holds count as promisable: give them up first (enough to refill the
-    -- safety stock too)
-    IF bucket_reclaim_expired_v1(p_tenant, p_bucket, coalesce(p_now, clock_timestamp()),
-                                 p_qty::bigint + b.safety_stock) > 0 THEN
-        SELECT * INTO b FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
-    END IF;
+    -- safety stock too), then read the line again: a give-up that returned no unit
+    -- on hand (a hold all backordered) still gave its allowance back
+    PERFORM bucket_reclaim_expired_v1(p_tenant, p_bucket, coalesce(p_now, clock_timestamp()),
+                                      p_qty::bigint + b.safety_stock);
+    SELECT * INTO b FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
     from_free := least(p_qty - v_locked, greatest(0, b.free - b.safety_stock));
     backordered := p_qty - v_locked - from_free;
     -- (stock that came in since bucket_take_v1 looked may cover it all: then no
