@@ -194,3 +194,26 @@ def test_doctor_checks_slow_statement_and_lock_wait_logging(dsn: str) -> None:
     code, found = run_doctor(dsn)
     assert code == 1
     assert (found["log_lock_waits"]["status"], found["log_lock_waits"]["found"]) == ("fail", "off")
+
+
+async def test_reconcile_counts_a_forced_shortfall_and_refuses_an_unknown_tenant(
+        service: ReservationService, tenant: Tenant, dsn: str) -> None:
+    """A forced correction below the units held leaves a shortfall (on_hand keeps the
+    held units until their holds end): the books still balance by the ledger, before
+    and after the holds end, as invariant_violations_v1 says. `--tenant` with an id no
+    tenant has is an error (exit 1), not "no drift"."""
+    t = tenant.id
+    await service.set_stock(t, "s", "wh", 5)
+    rid = await held(service, tenant, "all", "s", 5)
+    view = await service.adjust_stock(t, "lost", "s", "wh", -3, force=True)
+    assert (view.on_hand, view.shortfall) == (5, 3)
+    assert await service.invariant_violations(t) == []
+    assert reconcile(dsn, tenant=t).drifts == []
+    out = CliRunner().invoke(main, ["reconcile", "--database-url", dsn, "--tenant", str(t)])
+    assert out.exit_code == 0 and "no drift" in out.output
+    await service.release(t, rid)  # the shortfall is written off as the hold ends
+    assert reconcile(dsn, tenant=t).drifts == []
+    missing = CliRunner().invoke(main, ["reconcile", "--database-url", dsn,
+                                        "--tenant", str(t + 10_000)])
+    assert missing.exit_code == 1 and f"unknown tenant {t + 10_000}" in missing.output
+    assert "no drift" not in missing.output
