@@ -14,6 +14,7 @@ The requests after it must not be decided before it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
@@ -35,7 +36,7 @@ class Scenario:
     """Stock, what happens before the batch, and the batch's requests in order."""
 
     def __init__(self, on_hand: int, setup: Step | None, steps: list[Step],
-                 **stock: int) -> None:
+                 **stock: Any) -> None:
         self.on_hand = on_hand
         self.setup = setup
         self.steps = steps
@@ -61,10 +62,10 @@ def answer(result: Any) -> tuple[Any, ...]:
     raise AssertionError(f"unexpected answer {result!r}")
 
 
-async def queued_in_order(combiner_queue: Callable[[], int], calls: list[Callable[[], Any]]
-                          ) -> list[asyncio.Task[Any]]:
+async def queued_in_order(combiner_queue: Callable[[], int],
+                          calls: list[Callable[[], Awaitable[Any]]]) -> list[asyncio.Future[Any]]:
     """Start each call once the previous one is queued for the bucket's next batch."""
-    tasks = []
+    tasks: list[asyncio.Future[Any]] = []
     for call in calls:
         before = combiner_queue()
         tasks.append(asyncio.ensure_future(call()))
@@ -85,7 +86,8 @@ async def run(db: Database, scenario: Scenario, name: str, batched: bool,
     ids: dict[str, str] = {}
     if scenario.setup is not None:
         await scenario.setup(plain, tenant, ids)
-    calls = [lambda step=step: step(svc, tenant, ids) for step in scenario.steps]
+    calls: list[Callable[[], Awaitable[Any]]] = [
+        functools.partial(step, svc, tenant, ids) for step in scenario.steps]
     if batched:
         assert svc.combiner is not None
         bucket = await bucket_id(db, tenant, SKU)

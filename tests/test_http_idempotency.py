@@ -30,11 +30,14 @@ async def test_missing_key_is_400(api: ApiTenant) -> None:
 
 def _written(dsn: str, tenant: int) -> tuple[int, ...]:
     """The tenant's rows in the tables a keyed operation writes."""
+    counts = []
     with psycopg.connect(dsn) as conn:
-        return tuple(conn.execute(
-            f"SELECT count(*) FROM {table} WHERE tenant_id = %s",  # noqa: S608 (ours)
-            (tenant,)).fetchone()[0]
-            for table in ("reservation", "request_ledger", "outbox_event", "stock_movement"))
+        for table in ("reservation", "request_ledger", "outbox_event", "stock_movement"):
+            row = conn.execute(f"SELECT count(*) FROM {table} WHERE tenant_id = %s",  # noqa: S608
+                               (tenant,)).fetchone()
+            assert row is not None
+            counts.append(int(row[0]))
+    return tuple(counts)
 
 
 async def test_an_empty_key_is_refused_everywhere_and_writes_nothing(

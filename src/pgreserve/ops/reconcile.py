@@ -19,9 +19,9 @@ from typing import Any
 import psycopg
 
 from ..db import schema as schemas
-from ..errors import UnknownTenant
 from ..db.database import Op, tagged
 from ..db.queries import queries
+from ..errors import UnknownTenant
 
 log = logging.getLogger("pgreserve.reconcile")
 
