@@ -959,3 +959,66 @@ async def test_legacy_expiry_racing_claims_and_releases_counts_every_unit_once(
     assert sold == 2 * len(claimed) and len(claimed) <= 30
     assert await store.held(tenant.id, "a", "x") == 0
     assert await store.available(tenant.id, "a", "x") == 200 - sold
+
+
+async def test_an_adjustment_retried_after_redis_did_not_answer_moves_redis_once(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """In legacy mode an adjustment whose Redis write did not answer is OutcomeUnknown
+    (pgreserve has applied it); its retry with the same key replays pgreserve's answer
+    and moves the Redis counter then, once: further retries leave both stores alone."""
+    await seed(service, store, tenant.id, "a", 10, "x")
+    await set_mode(db, tenant.id, Mode.LEGACY, "test")
+    live = rollout.store
+    down = RedisServer()  # never started: nothing listens on its port
+    rollout.store = RedisHoldStore(down.url, namespace=store.namespace, timeout_s=0.2)
+    try:
+        with pytest.raises(errors.OutcomeUnknown):
+            await rollout.adjust_stock(tenant.id, "adj-1", "a", "x", 5, reason="receipt")
+    finally:
+        await rollout.store.aclose()
+        rollout.store = live
+    assert await store.available(tenant.id, "a", "x") == 10  # Redis never saw it
+    for _ in range(2):
+        again = await rollout.adjust_stock(tenant.id, "adj-1", "a", "x", 5, reason="receipt")
+        assert again.replayed and again.on_hand == 15
+        assert await store.available(tenant.id, "a", "x") == 15
+    other = await rollout.adjust_stock(tenant.id, "adj-2", "a", "x", -2, reason="damaged")
+    assert other.on_hand == 13 and await store.available(tenant.id, "a", "x") == 13
+
+
+@pytest.mark.parametrize("mode", [Mode.SHADOW, Mode.PRIMARY])
+async def test_a_claim_both_stores_refuse_as_released_or_expired_is_an_agreement(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database, mode: Mode) -> None:
+    """A claim of a reservation released in both stores is refused by both: the store that
+    answers raises, the other gets a release in its stead, which finds it released; that
+    is recorded as agreeing, not as a disagreement. A hold the other store still had
+    active (its release did something) stays a disagreement."""
+    await seed(service, store, tenant.id, "a", 5, "x")
+    await set_mode(db, tenant.id, mode, "test")
+    out = await rollout.reserve(tenant.id, "k1", [("a", "x", 1)], ttl=60)
+    assert out.held and out.reservation is not None
+    rid = out.reservation.id
+    await rollout.release(tenant.id, rid)
+    with pytest.raises(errors.ReservationReleased):
+        await rollout.claim(tenant.id, rid, request_key="pay-1")
+    await rollout.recorder.flush()
+    summary, latest = await reports.report(db, tenant.id)
+    assert summary[0].compared == summary[0].agreed == 3 and latest == []
+    # the other store still holding it: a real disagreement
+    held = await rollout.reserve(tenant.id, "k2", [("a", "x", 1)], ttl=60)
+    assert held.reservation is not None
+    if mode is Mode.SHADOW:  # Redis answers: release it in Redis only
+        record = await store.record(tenant.id, held.reservation.id)
+        assert record is not None
+        await store.release(tenant.id, record.id)
+    else:  # pgreserve answers: release it in pgreserve only
+        await service.release(tenant.id, held.reservation.id)
+    with pytest.raises(errors.ReservationReleased):
+        await rollout.claim(tenant.id, held.reservation.id, request_key="pay-2")
+    await rollout.recorder.flush()
+    summary, latest = await reports.report(db, tenant.id)
+    assert [d.request_key for d in latest] == ["pay-2"]
+    assert (await service.get_stock(tenant.id, "a", "x")).available == 5
+    assert await store.available(tenant.id, "a", "x") == 5

@@ -193,6 +193,15 @@ class HoldRecord:
             replayed=replayed)
 
 
+# KEYS: counter, applied (the request key's marker); ARGV: delta, retention_ms
+_ADJUST = """
+if redis.call('SET', KEYS[2], '1', 'NX', 'PX', ARGV[2]) then
+  return redis.call('INCRBY', KEYS[1], ARGV[1])
+end
+return tonumber(redis.call('GET', KEYS[1]) or '0')
+"""
+
+
 def _ms(value: bytes | str | None) -> datetime | None:
     if value is None:
         return None
@@ -227,6 +236,7 @@ class RedisHoldStore:
         self._finish = self.redis.register_script(_FINISH)
         self._set_stock = self.redis.register_script(_SET_STOCK)
         self._extend = self.redis.register_script(_EXTEND)
+        self._adjust = self.redis.register_script(_ADJUST)
 
     async def aclose(self) -> None:
         await self.redis.aclose()
@@ -255,9 +265,17 @@ class RedisHoldStore:
         return int(available)
 
     @_answered
-    async def adjust_stock(self, tenant: int, sku: str, location: str, delta: int) -> int:
-        """A receipt (delta > 0) or correction (delta < 0) of the counter; return it."""
-        return int(await self.redis.incrby(self.counter_key(tenant, sku, location), delta))
+    async def adjust_stock(self, tenant: int, sku: str, location: str, delta: int,
+                           request_key: str | None = None) -> int:
+        """A receipt (delta > 0) or correction (delta < 0) of the counter; return it.
+        Under a request key, once: a retry (after a Redis that did not answer, or a
+        replay of the key) finds the key's marker and leaves the counter as it is."""
+        counter = self.counter_key(tenant, sku, location)
+        if request_key is None:
+            return int(await self.redis.incrby(counter, delta))
+        return int(await self._adjust(
+            keys=[counter, self.key(tenant, "adj", request_key)],
+            args=[delta, int(RETENTION.total_seconds() * 1000)]))
 
     @_answered
     async def available(self, tenant: int, sku: str, location: str) -> int:

@@ -174,15 +174,17 @@ class Rollout:
     async def adjust_stock(self, tenant: int, request_key: str, sku: str, location: str,
                            delta: int, *, reason: str = "", force: bool = False,
                            if_match: IfMatch = None) -> StockView:
-        """A receipt or correction, once per request key in pgreserve; while Redis is
-        written, the first answer also moves the Redis counter by delta."""
+        """A receipt or correction, once per request key in each store: pgreserve's
+        ledger and, while Redis is written, the key's marker in Redis. A replay goes to
+        Redis again, so a retry after a Redis that did not answer (OutcomeUnknown)
+        moves its counter then, once."""
         view = await self.service.adjust_stock(tenant, request_key, sku, location, delta,
                                                reason=reason, force=force, if_match=if_match)
         mode = (await self.modes.get(tenant)).mode
-        if mode.writes_redis and not view.replayed:
-            await self._stock_step(mode, self.store.adjust_stock(tenant, view.sku,
-                                                                 view.location, delta),
-                                   "adjust_stock")
+        if mode.writes_redis:
+            await self._stock_step(mode, self.store.adjust_stock(
+                tenant, view.sku, view.location, delta, request_key=request_key),
+                "adjust_stock")
         return view
 
     async def _stock_step(self, mode: Mode, step: Awaitable[Any], operation: str) -> None:
@@ -442,10 +444,12 @@ class Rollout:
                     # is told no, so pgreserve gives its units back rather than sell them
                     twin = "release" if action == "claim" and isinstance(
                         exc, (ReservationExpired, ReservationReleased)) else action
+                    before = (await self._pg_state(tenant, record.pg_id) if twin != action
+                              else None)
                     out, pg_ms = await self._pg_finish(twin, tenant, record.pg_id, request_key,
                                                        ttl, shorten)
-                    self._compare(tenant, mode, action, compared_key, error_outcome(exc), out,
-                                  legacy_ms, pg_ms)
+                    self._compare(tenant, mode, action, compared_key, error_outcome(exc),
+                                  _stand_in(exc, before, out), legacy_ms, pg_ms)
                     raise
                 legacy_ms = _ms(started)
                 out, pg_ms = await self._pg_finish(action, tenant, record.pg_id, request_key,
@@ -461,10 +465,12 @@ class Rollout:
                 # pgreserve refused the claim (expired or released): Redis gives back too
                 twin = "release" if action == "claim" and isinstance(
                     exc, (ReservationExpired, ReservationReleased)) else action
+                before = await self._legacy_state(tenant, record) if twin != action else None
                 legacy_out, legacy_ms = await self._legacy_secondary(twin, tenant, record,
                                                                     ttl, asked)
-                self._compare(tenant, mode, action, compared_key, legacy_out,
-                              error_outcome(exc), legacy_ms, pg_ms)
+                self._compare(tenant, mode, action, compared_key,
+                              _stand_in(exc, before, legacy_out), error_outcome(exc),
+                              legacy_ms, pg_ms)
                 raise
             pg_ms = _ms(started)
             legacy_out, legacy_ms = await self._legacy_secondary(action, tenant, record,
@@ -472,6 +478,28 @@ class Rollout:
             self._compare(tenant, mode, action, compared_key, legacy_out,
                           transition_outcome(pg), legacy_ms, pg_ms)
             return pg
+
+    async def _pg_state(self, tenant: int, pg_id: str | None) -> str | None:
+        """The status pgreserve's twin of a hold shows now (None: none, or no answer)."""
+        if pg_id is None or pg_id == FROZEN_LINK:
+            return None
+        try:
+            return (await self.service.get_reservation(tenant, pg_id)).status.value
+        except Exception:  # noqa: BLE001 - only for the comparison
+            return None
+
+    async def _legacy_state(self, tenant: int, record: HoldRecord) -> str | None:
+        """The status Redis's record of a hold shows now, expired once past its TTL
+        (None: gone, or no answer)."""
+        try:
+            now = await self.store.record(tenant, record.id)
+        except Exception:  # noqa: BLE001 - only for the comparison
+            return None
+        if now is None:
+            return None
+        if now.status == "held" and now.expires_at <= utcnow():
+            return Status.EXPIRED.value
+        return now.reservation().status.value
 
     async def _pg_finish(self, action: str, tenant: int, pg_id: str | None,
                          request_key: str | None, ttl: timedelta | None,
@@ -570,6 +598,21 @@ class Rollout:
             await step
         except Exception:  # noqa: BLE001 - the secondary side never fails the caller
             self.metrics.secondary_failures.labels(side, operation).inc()
+
+
+def _stand_in(exc: BaseException, before: str | None,
+              outcome: dict[str, Any]) -> dict[str, Any]:
+    """The other store's answer to a claim one store refused as released or expired,
+    for the comparison. That store got a release in its stead (`outcome`); when the
+    reservation already was as the refusal says (`before`: released, expired), it
+    would have refused the claim the same way, and that refusal is its answer. One
+    it still held (its release gave units back) stays a disagreement."""
+    status = ("released" if isinstance(exc, ReservationReleased)
+              else "expired" if isinstance(exc, ReservationExpired) else None)
+    if status is not None and before == status:
+        return {**error_outcome(exc),
+                "message": f"(the reservation was {status} here too; released in its stead)"}
+    return outcome
 
 
 def _ms(started: float) -> float:
