@@ -250,7 +250,8 @@ async def test_flip_primary_to_legacy_mid_sale_keeps_every_unit_accounted(
         rollout: Rollout, service: ReservationService, store: RedisHoldStore,
         tenant: Tenant, db: Database) -> None:
     """Flipping primary -> legacy in the middle of a 64-buyer sale: in Redis, available +
-    held + every claim = the stock; in pgreserve, the same with the claims of primary holds."""
+    held + every claim = the stock; in pgreserve too: the claims of primary holds are its
+    sales, those of legacy holds leave its count (docs/operations.md)."""
     await seed(service, store, tenant.id, "hot", 50)
     await set_mode(db, tenant.id, Mode.PRIMARY, "test")
     claims = {"primary": 0, "legacy": 0}
@@ -285,7 +286,7 @@ async def test_flip_primary_to_legacy_mid_sale_keeps_every_unit_accounted(
     assert await store.held(tenant.id, "hot", "berlin") == 0
     assert await pg_sold(db, tenant.id, "hot") == claims["primary"]
     view = await service.get_stock(tenant.id, "hot", "berlin")
-    assert view.on_hand == 50 - claims["primary"] and view.available == view.on_hand
+    assert view.on_hand == 50 - total and view.available == view.on_hand
     assert await service.invariant_violations() == []
 
 
@@ -293,7 +294,8 @@ async def test_switch_with_holds_in_flight_loses_and_duplicates_nothing(
         rollout: Rollout, service: ReservationService, store: RedisHoldStore,
         tenant: Tenant, db: Database) -> None:
     """Holds taken in each mode, then finished after the tenant moved on, finish under the
-    mode they were taken in: each store counts each of its claims once and every release back."""
+    mode they were taken in: each store counts each of its claims once and every release
+    back; the sale of a legacy hold (no pgreserve twin) leaves pgreserve's count once."""
     await seed(service, store, tenant.id, "sku", 100)
     holds: list[tuple[str, str]] = []
     for n, mode in enumerate([Mode.LEGACY, Mode.SHADOW, Mode.PRIMARY, Mode.PGRESERVE] * 2):
@@ -303,7 +305,7 @@ async def test_switch_with_holds_in_flight_loses_and_duplicates_nothing(
             assert out.held and out.reservation is not None
             holds.append((mode.value, out.reservation.id))
     await set_mode(db, tenant.id, Mode.SHADOW, "test")
-    redis_claims = pg_claims = 0
+    redis_claims = pg_claims = legacy_sold = 0
     for i, (taken, rid) in enumerate(holds):
         if i % 2:
             first = await rollout.claim(tenant.id, rid)
@@ -311,13 +313,14 @@ async def test_switch_with_holds_in_flight_loses_and_duplicates_nothing(
             assert first.status is again.status is Status.CLAIMED
             redis_claims += 2 * (taken != "pgreserve")
             pg_claims += 2 * (taken != "legacy")
+            legacy_sold += 2 * (taken == "legacy")
         else:
             await rollout.release(tenant.id, rid)
             await rollout.release(tenant.id, rid)
     assert await store.held(tenant.id, "sku", "berlin") == 0
     assert await store.available(tenant.id, "sku", "berlin") == 100 - redis_claims
     view = await service.get_stock(tenant.id, "sku", "berlin")
-    assert view.on_hand == view.available == 100 - pg_claims
+    assert view.on_hand == view.available == 100 - pg_claims - legacy_sold
     assert await pg_sold(db, tenant.id, "sku") == pg_claims
     await rollout.recorder.flush()
     summary, latest = await reports.report(db, tenant.id)
@@ -1022,3 +1025,39 @@ async def test_a_claim_both_stores_refuse_as_released_or_expired_is_an_agreement
     assert [d.request_key for d in latest] == ["pay-2"]
     assert (await service.get_stock(tenant.id, "a", "x")).available == 5
     assert await store.available(tenant.id, "a", "x") == 5
+
+
+@pytest.mark.parametrize("claimed_in", [Mode.LEGACY, Mode.SHADOW])
+async def test_a_legacy_holds_sale_leaves_pgreserve_s_count_so_the_ramp_cannot_oversell(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database, claimed_in: Mode) -> None:
+    """A hold taken in `legacy` (pgreserve never held it) and claimed in `legacy`, or
+    after the switch to `shadow`: its sale takes its units out of pgreserve's count too,
+    once, so that after `primary` and `pgreserve` no more than the count is sold. A
+    shadow hold's claim, which pgreserve's twin sells itself, is not counted twice."""
+    await seed(service, store, tenant.id, "a", 10, "x")
+    await set_mode(db, tenant.id, Mode.LEGACY, "test")
+    legacy = await rollout.reserve(tenant.id, "buyer-1", [("a", "x", 3)], ttl=60)
+    assert legacy.reservation is not None
+    await set_mode(db, tenant.id, claimed_in, "test")
+    for _ in range(2):  # a repeated claim sells once
+        assert (await rollout.claim(tenant.id, legacy.reservation.id)).status is Status.CLAIMED
+    view = await service.get_stock(tenant.id, "a", "x")
+    assert (view.on_hand, view.available) == (7, 7)
+    assert await store.available(tenant.id, "a", "x") == 7
+    await set_mode(db, tenant.id, Mode.SHADOW, "test")
+    shadow = await rollout.reserve(tenant.id, "buyer-2", [("a", "x", 2)], ttl=60)
+    assert shadow.reservation is not None
+    assert (await rollout.claim(tenant.id, shadow.reservation.id)).status is Status.CLAIMED
+    assert (await service.get_stock(tenant.id, "a", "x")).on_hand == 5
+    assert await store.available(tenant.id, "a", "x") == 5
+    for mode in (Mode.PRIMARY, Mode.PGRESERVE):
+        await set_mode(db, tenant.id, mode, "test")
+    everything = await rollout.reserve(tenant.id, "buyer-3", [("a", "x", 6)], ttl=60)
+    assert not everything.held  # 5 are left of the 10 counted
+    rest = await rollout.reserve(tenant.id, "buyer-4", [("a", "x", 5)], ttl=60)
+    assert rest.held and rest.reservation is not None
+    await rollout.claim(tenant.id, rest.reservation.id)
+    view = await service.get_stock(tenant.id, "a", "x")
+    assert (view.on_hand, view.reserved, view.available) == (0, 0, 0)
+    assert await service.invariant_violations() == []

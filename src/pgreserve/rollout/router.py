@@ -1,7 +1,8 @@
 """Every reserve, claim and release of a tenant, sent to the store(s) its mode names.
 
-- `legacy`: Redis answers; pgreserve is not written (a claim's sale goes to
-  `rollout_legacy_sale` after Redis dropped the hold, as the legacy design does).
+- `legacy`: Redis answers; pgreserve holds nothing (a claim's sale goes to
+  `rollout_legacy_sale` after Redis dropped the hold, as the legacy design does, and
+  its units leave pgreserve's count, which counts and adjustments keep too).
 - `shadow`: Redis answers; pgreserve gets the same request (same request key). A
   reserve pgreserve refuses by a rule (a freeze, a per-cart limit) is refused
   (`_refused_by_rule_in_shadow`).
@@ -553,10 +554,16 @@ class Rollout:
         return done
 
     async def _legacy_sale(self, tenant: int, record: HoldRecord) -> None:
-        await self.service.db.fetch(queries["rollout_legacy_sale_record"], (
-            tenant, uuid.UUID(record.id), [x.sku for x in record.lines],
-            [x.location for x in record.lines], [x.quantity for x in record.lines]),
-            op=OP_SALE)
+        """The legacy design's sale record. A hold pgreserve has no twin of (taken in
+        `legacy`, or one whose twin pgreserve never made) was never held in pgreserve,
+        whose count still has its units: they leave it with the sale, once, so that a
+        tenant moving on to `primary` and `pgreserve` does not offer them again."""
+        await self.service.db.fetch(queries["rollout_legacy_sale_record"], {
+            "tenant": tenant, "reservation": uuid.UUID(record.id),
+            "skus": [x.sku for x in record.lines],
+            "locations": [x.location for x in record.lines],
+            "quantities": [x.quantity for x in record.lines],
+            "untwinned": record.pg_id is None}, op=OP_SALE)
 
     # -- expiry of legacy holds ----------------------------------------------------
 

@@ -105,12 +105,27 @@ LEFT JOIN LATERAL (SELECT count(*) AS compared, count(*) FILTER (WHERE agree) AS
 ORDER BY traffic, t.tenant_id;
 
 -- name: rollout_legacy_sale_record
--- The legacy design's ledger write of a claimed hold's lines (arrays of equal length).
+-- The legacy design's ledger write of a claimed hold's lines (arrays of equal length),
+-- and, for a hold pgreserve has no twin of (the last parameter), the units leaving
+-- pgreserve's count of each line it has: a correction keyed by the sale's line, forced
+-- (units pgreserve promised meanwhile become shortfall), once, as the sale is.
 WITH saved AS (
     INSERT INTO rollout_legacy_sale (tenant_id, reservation_id, sku, location, quantity)
-    SELECT %s, %s, sku, location, quantity
-    FROM unnest(%s::text[], %s::text[], %s::int[]) AS r(sku, location, quantity)
+    SELECT %(tenant)s, %(reservation)s, sku, location, quantity
+    FROM unnest(%(skus)s::text[], %(locations)s::text[], %(quantities)s::int[])
+         AS r(sku, location, quantity)
     ON CONFLICT DO NOTHING
-    RETURNING 1
+    RETURNING sku, location, quantity
+), counted AS (
+    SELECT stock_adjust_v2(%(tenant)s,
+                           'legacy-sale:' || %(reservation)s::text || ':'
+                               || md5(s.sku || '@' || s.location),
+                           'legacy-sale', s.sku, s.location, -s.quantity, 'legacy sale',
+                           true, NULL, NULL)
+    FROM saved s
+    JOIN stock_bucket b ON b.tenant_id = %(tenant)s AND b.sku = s.sku
+                       AND b.location = s.location
+    WHERE %(untwinned)s
+    ORDER BY s.sku COLLATE "C", s.location COLLATE "C"
 )
-SELECT count(*) FROM saved;
+SELECT (SELECT count(*) FROM saved), (SELECT count(*) FROM counted);
