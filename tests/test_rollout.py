@@ -1061,3 +1061,44 @@ async def test_a_legacy_holds_sale_leaves_pgreserve_s_count_so_the_ramp_cannot_o
     view = await service.get_stock(tenant.id, "a", "x")
     assert (view.on_hand, view.reserved, view.available) == (0, 0, 0)
     assert await service.invariant_violations() == []
+
+
+async def test_going_back_from_primary_is_refused_while_redis_missed_writes(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """In primary, a reserve and a count Redis did not answer are served by pgreserve and
+    recorded as disagreements; going back to legacy (or shadow) is then refused, by the
+    library and by `rollout set`, with what Redis missed, because Redis would sell the
+    units pgreserve holds. `--force` switches (after a recount). Without a miss since the
+    tenant entered primary, going back is one command, as before."""
+    await seed(service, store, tenant.id, "a", 10, "x")
+    await set_mode(db, tenant.id, Mode.PRIMARY, "test")
+    assert await set_mode(db, tenant.id, Mode.LEGACY, "test") is Mode.PRIMARY  # no miss
+    await set_mode(db, tenant.id, Mode.PRIMARY, "test")
+    live = rollout.store
+    down = RedisServer()  # never started: nothing listens on its port
+    rollout.store = RedisHoldStore(down.url, namespace=store.namespace, timeout_s=0.2)
+    try:
+        held = await rollout.reserve(tenant.id, "missed", [("a", "x", 4)], ttl=60)
+        counted = await rollout.adjust_stock(tenant.id, "count-1", "a", "x", 1)
+    finally:
+        await rollout.store.aclose()
+        rollout.store = live
+    assert held.held and counted.on_hand == 11
+    await rollout.recorder.flush()
+    _, latest = await reports.report(db, tenant.id)
+    assert {d.request_key for d in latest} == {"missed", "count-1"}
+    for mode in (Mode.LEGACY, Mode.SHADOW):
+        with pytest.raises(errors.RedisMissedWrites, match="missed 2 write"):
+            await set_mode(db, tenant.id, mode, "test")
+    out = await run(str(BIN), "rollout", "set", "acme", "legacy", "--database-url",
+                    db.conninfo, check=False)
+    assert out.returncode == 1 and "Redis missed 2 write(s)" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert await set_mode(db, tenant.id, Mode.PGRESERVE, "test") is Mode.PRIMARY
+    await set_mode(db, tenant.id, Mode.PRIMARY, "test")  # misses before this are past
+    assert await set_mode(db, tenant.id, Mode.LEGACY, "test") is Mode.PRIMARY
+    await set_mode(db, tenant.id, Mode.PRIMARY, "test")
+    forced = await run(str(BIN), "rollout", "set", "acme", "shadow", "--force",
+                       "--database-url", db.conninfo)
+    assert "primary -> shadow" in forced.stdout

@@ -166,6 +166,14 @@ class StockPolicyUnsupported(PgReserveError):
     code = "stock_policy_unsupported"
 
 
+class RedisMissedWrites(PgReserveError):
+    """A tenant in rollout mode primary would go back to a mode where Redis answers while
+    Redis missed writes since it entered primary (it did not answer): Redis does not have
+    every hold and count, and would sell units pgreserve holds. Nothing was switched."""
+
+    code = "redis_missed_writes"
+
+
 class UnsupportedInRolloutMode(PgReserveError):
     """Asked for what the legacy Redis store cannot keep (a reservation's reference or
     metadata, the reservation listing) while Redis answers for the tenant (rollout modes

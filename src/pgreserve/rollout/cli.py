@@ -70,15 +70,20 @@ def rollout() -> None:
 @click.argument("mode", type=click.Choice([m.value for m in Mode]))
 @click.option("--by", "changed_by", default=None,
               help="Who makes the switch (default: user@host).")
+@click.option("--force", is_flag=True,
+              help="Go back from primary to legacy or shadow although Redis missed writes "
+                   "since (after counting every bucket again in primary).")
 @_db_options
-def rollout_set(tenant: str, mode: str, changed_by: str | None, database_url: str | None,
-                data_dir: str | None) -> None:
+def rollout_set(tenant: str, mode: str, changed_by: str | None, force: bool,
+                database_url: str | None, data_dir: str | None) -> None:
     """Switch TENANT to MODE (legacy, shadow, primary, pgreserve); running servers follow
-    within a second. Holds already taken finish under the mode they were taken in."""
+    within a second. Holds already taken finish under the mode they were taken in. From
+    primary back to legacy or shadow is refused while Redis missed writes since the
+    switch to primary (see --force)."""
     who = changed_by or f"{getpass.getuser()}@{socket.gethostname()}"
 
     async def go(db: Database) -> Mode:
-        return await set_mode(db, await _tenant_id(db, tenant), mode, who)
+        return await set_mode(db, await _tenant_id(db, tenant), mode, who, force=force)
 
     before = _with_db(database_url, data_dir, go)
     click.echo(f"{tenant}: {before.value} -> {mode} (by {who})")

@@ -90,12 +90,30 @@ class ModeBook:
             self._cache.pop(tenant, None)
 
 
-async def set_mode(db: Database, tenant: int, mode: Mode | str, changed_by: str) -> Mode:
-    """Switch a tenant's mode, recording who and when; return the mode it had."""
+async def set_mode(db: Database, tenant: int, mode: Mode | str, changed_by: str, *,
+                   force: bool = False) -> Mode:
+    """Switch a tenant's mode, recording who and when; return the mode it had.
+
+    Going back from `primary` to a mode where Redis answers is refused
+    (RedisMissedWrites) when the comparison recorded writes Redis missed since the
+    tenant entered `primary` (Redis did not answer): Redis lacks those holds or counts.
+    `force` switches anyway (after every bucket was counted again in `primary`). The
+    comparison is written within a second or so of each request: a miss in the last
+    moments before the switch may not be seen yet."""
     chosen = Mode.parse(mode.value if isinstance(mode, Mode) else mode)
     changed_by = changed_by.strip()
     if not 1 <= len(changed_by) <= 200:
         raise errors.InvalidRequest("changed_by must be 1 to 200 characters", field="by")
+    if chosen.answers_from_redis and not force:
+        missed = await db.fetch(queries["rollout_redis_miss_list"], (tenant,), op=OP_MODE)
+        count, first_at, first_key = missed[0] if missed else (0, None, None)
+        if count:
+            raise errors.RedisMissedWrites(
+                f"Redis missed {count} write(s) since this tenant entered primary (the "
+                f"first at {first_at:%Y-%m-%d %H:%M:%S%z}, request key {first_key}): it "
+                "does not have every hold and count, and would sell units pgreserve holds. "
+                "Count every bucket again (PUT /v1/stock) and let the holds taken since "
+                "end, then switch with --force; or stay in primary.")
     try:
         rows = await db.fetch(queries["rollout_mode_set"],
                               {"tenant": tenant, "mode": chosen.value, "by": changed_by},

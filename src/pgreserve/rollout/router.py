@@ -168,8 +168,9 @@ class Rollout:
                                             create_only=create_only, safety_stock=safety_stock,
                                             backorder_limit=backorder_limit)
         if mode.writes_redis:
-            await self._stock_step(mode, self.store.set_stock(tenant, view.sku, view.location,
-                                                              view.on_hand), "set_stock")
+            await self._stock_step(tenant, mode, self.store.set_stock(
+                tenant, view.sku, view.location, view.on_hand), "set_stock",
+                f"{view.sku}@{view.location}")
         return view
 
     async def adjust_stock(self, tenant: int, request_key: str, sku: str, location: str,
@@ -183,16 +184,25 @@ class Rollout:
                                                reason=reason, force=force, if_match=if_match)
         mode = (await self.modes.get(tenant)).mode
         if mode.writes_redis:
-            await self._stock_step(mode, self.store.adjust_stock(
+            await self._stock_step(tenant, mode, self.store.adjust_stock(
                 tenant, view.sku, view.location, delta, request_key=request_key),
-                "adjust_stock")
+                "adjust_stock", request_key)
         return view
 
-    async def _stock_step(self, mode: Mode, step: Awaitable[Any], operation: str) -> None:
+    async def _stock_step(self, tenant: int, mode: Mode, step: Awaitable[Any], operation: str,
+                          key: str) -> None:
+        """A count written to Redis: where Redis answers, its failure is the caller's;
+        in primary it is counted and recorded as a disagreement (Redis missed it)."""
         if mode.answers_from_redis:
             await step
-        else:
-            await self._secondary(step, "legacy", operation)
+            return
+        started = perf_counter()
+        try:
+            await step
+        except Exception as exc:  # noqa: BLE001 - the secondary side never fails the caller
+            self.metrics.secondary_failures.labels("legacy", operation).inc()
+            self._compare(tenant, mode, operation, key, error_outcome(exc), {"applied": True},
+                          _ms(started), 0.0)
 
     # -- reserve -----------------------------------------------------------------
 

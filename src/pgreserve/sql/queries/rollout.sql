@@ -6,9 +6,12 @@ SELECT mode, redis_until FROM rollout_mode WHERE tenant_id = %s;
 
 -- name: rollout_mode_set
 -- Switch a tenant's mode; record who and when. Leaving the Redis-writing modes
--- for 'pgreserve' keeps redis_until a maximum hold life (24 h) ahead.
+-- for 'pgreserve' keeps redis_until a maximum hold life (24 h) ahead. `prior` reads
+-- the mode as the statement's snapshot has it, before the upsert (a locking read
+-- there would skip the row the upsert updates in the same statement, and report
+-- every switch of an existing tenant as from 'pgreserve').
 WITH prior AS (
-    SELECT mode FROM rollout_mode WHERE tenant_id = %(tenant)s FOR UPDATE
+    SELECT mode FROM rollout_mode WHERE tenant_id = %(tenant)s
 ), upsert AS (
     INSERT INTO rollout_mode AS m (tenant_id, mode, redis_until, changed_at, changed_by)
     VALUES (%(tenant)s, %(mode)s,
@@ -26,6 +29,16 @@ WITH prior AS (
     SELECT %(tenant)s, coalesce((SELECT mode FROM prior), 'pgreserve'), %(mode)s, %(by)s
 )
 SELECT coalesce((SELECT mode FROM prior), 'pgreserve') FROM upsert;
+
+-- name: rollout_redis_miss_list
+-- Writes Redis missed (it did not answer) since the tenant last entered 'primary', as
+-- the comparison recorded them: how many, the first one's time and request key.
+SELECT count(*), min(c.at), (array_agg(c.request_key ORDER BY c.at))[1]
+FROM rollout_mode m
+JOIN rollout_comparison c ON c.tenant_id = m.tenant_id AND c.mode = 'primary'
+                         AND c.at >= m.changed_at
+WHERE m.tenant_id = %s AND m.mode = 'primary'
+  AND c.legacy_outcome ->> 'error' = 'outcome_unknown';
 
 -- name: rollout_status_list
 -- Every tenant with its mode (a tenant without a row is in 'pgreserve').
