@@ -1102,3 +1102,44 @@ async def test_going_back_from_primary_is_refused_while_redis_missed_writes(
     forced = await run(str(BIN), "rollout", "set", "acme", "shadow", "--force",
                        "--database-url", db.conninfo)
     assert "primary -> shadow" in forced.stdout
+
+
+async def test_a_shadow_sale_whose_twin_pgreserve_let_go_leaves_pgreserve_s_count(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """In shadow mode a reserve Redis did not answer (503) leaves no hold in pgreserve; its
+    retry with the same key holds in Redis beside pgreserve's stored, released answer
+    (no twin linked). And a linked twin may be gone from pgreserve when Redis sells the
+    hold. Either way the sale leaves pgreserve's count, once, so both stores keep the
+    same stock."""
+    await seed(service, store, tenant.id, "a", 10, "x")
+    await set_mode(db, tenant.id, Mode.SHADOW, "test")
+    live = rollout.store
+    down = RedisServer()  # never started: nothing listens on its port
+    rollout.store = RedisHoldStore(down.url, namespace=store.namespace, timeout_s=0.2)
+    try:
+        with pytest.raises(errors.OutcomeUnknown):
+            await rollout.reserve(tenant.id, "k1", [("a", "x", 4)], ttl=60)
+    finally:
+        await rollout.store.aclose()
+        rollout.store = live
+    again = await rollout.reserve(tenant.id, "k1", [("a", "x", 4)], ttl=60)
+    assert again.held and again.reservation is not None
+    for _ in range(2):
+        assert (await rollout.claim(tenant.id, again.reservation.id)).status is Status.CLAIMED
+    assert await store.available(tenant.id, "a", "x") == 6
+    view = await service.get_stock(tenant.id, "a", "x")
+    assert (view.on_hand, view.reserved, view.available) == (6, 0, 6)
+    # a linked twin pgreserve no longer holds (here released behind the rollout's back)
+    linked = await rollout.reserve(tenant.id, "k2", [("a", "x", 2)], ttl=60)
+    assert linked.reservation is not None
+    record = await store.record(tenant.id, linked.reservation.id)
+    assert record is not None and record.pg_id is not None
+    await service.release(tenant.id, record.pg_id)
+    for _ in range(2):
+        assert (await rollout.claim(tenant.id, linked.reservation.id)).status is \
+            Status.CLAIMED
+    assert await store.available(tenant.id, "a", "x") == 4
+    view = await service.get_stock(tenant.id, "a", "x")
+    assert (view.on_hand, view.reserved, view.available) == (4, 0, 4)
+    assert await service.invariant_violations() == []

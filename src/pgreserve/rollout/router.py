@@ -467,6 +467,11 @@ class Rollout:
                                                    ttl, shorten)
                 self._compare(tenant, mode, action, compared_key, transition_outcome(legacy),
                               out, legacy_ms, pg_ms)
+                if action == "claim" and record.pg_id is not None and "error" in out:
+                    # Redis sold what pgreserve's twin no longer held: the units leave
+                    # pgreserve's count as a legacy sale's do
+                    await self._secondary(self._legacy_sale(tenant, record, recount=True),
+                                          "pgreserve", "legacy_sale")
                 return legacy
             started = perf_counter()
             try:
@@ -563,17 +568,20 @@ class Rollout:
         await self._legacy_sale(tenant, record)
         return done
 
-    async def _legacy_sale(self, tenant: int, record: HoldRecord) -> None:
+    async def _legacy_sale(self, tenant: int, record: HoldRecord, *,
+                           recount: bool = False) -> None:
         """The legacy design's sale record. A hold pgreserve has no twin of (taken in
         `legacy`, or one whose twin pgreserve never made) was never held in pgreserve,
         whose count still has its units: they leave it with the sale, once, so that a
-        tenant moving on to `primary` and `pgreserve` does not offer them again."""
+        tenant moving on to `primary` and `pgreserve` does not offer them again.
+        `recount`: a sold shadow hold whose twin pgreserve could not claim (released
+        or expired there): its units leave pgreserve's count the same way."""
         await self.service.db.fetch(queries["rollout_legacy_sale_record"], {
             "tenant": tenant, "reservation": uuid.UUID(record.id),
             "skus": [x.sku for x in record.lines],
             "locations": [x.location for x in record.lines],
             "quantities": [x.quantity for x in record.lines],
-            "untwinned": record.pg_id is None}, op=OP_SALE)
+            "untwinned": record.pg_id is None, "recount": recount}, op=OP_SALE)
 
     # -- expiry of legacy holds ----------------------------------------------------
 

@@ -119,9 +119,11 @@ ORDER BY traffic, t.tenant_id;
 
 -- name: rollout_legacy_sale_record
 -- The legacy design's ledger write of a claimed hold's lines (arrays of equal length),
--- and, for a hold pgreserve has no twin of (the last parameter), the units leaving
--- pgreserve's count of each line it has: a correction keyed by the sale's line, forced
--- (units pgreserve promised meanwhile become shortfall), once, as the sale is.
+-- and, for a hold pgreserve did not sell itself (`untwinned`), the units leaving
+-- pgreserve's count of each line it has: a correction keyed by the sale's line,
+-- forced (units pgreserve promised meanwhile become shortfall), with the sale's
+-- first record, or whenever `recount` says so (a shadow hold whose pgreserve twin
+-- could not be claimed: its key keeps it to once).
 WITH saved AS (
     INSERT INTO rollout_legacy_sale (tenant_id, reservation_id, sku, location, quantity)
     SELECT %(tenant)s, %(reservation)s, sku, location, quantity
@@ -129,16 +131,22 @@ WITH saved AS (
          AS r(sku, location, quantity)
     ON CONFLICT DO NOTHING
     RETURNING sku, location, quantity
+), sold AS (
+    SELECT sku, location, quantity FROM saved WHERE %(untwinned)s
+    UNION
+    SELECT sku, location, quantity
+    FROM unnest(%(skus)s::text[], %(locations)s::text[], %(quantities)s::int[])
+         AS r(sku, location, quantity)
+    WHERE %(recount)s
 ), counted AS (
     SELECT stock_adjust_v2(%(tenant)s,
                            'legacy-sale:' || %(reservation)s::text || ':'
                                || md5(s.sku || '@' || s.location),
                            'legacy-sale', s.sku, s.location, -s.quantity, 'legacy sale',
                            true, NULL, NULL)
-    FROM saved s
+    FROM sold s
     JOIN stock_bucket b ON b.tenant_id = %(tenant)s AND b.sku = s.sku
                        AND b.location = s.location
-    WHERE %(untwinned)s
     ORDER BY s.sku COLLATE "C", s.location COLLATE "C"
 )
 SELECT (SELECT count(*) FROM saved), (SELECT count(*) FROM counted);
