@@ -109,7 +109,7 @@ BEGIN
               'pool_refill_candidates_v1', 'pool_refill_v1', 'pool_replenish_v1',
               'pool_take_units_v1', 'pool_units_delete_v1', 'release_v1',
               'request_begin_v1', 'request_keys_purge_v1', 'reservation_give_back_v1',
-              'reservation_line_held_guard', 'reservation_lock_v1',
+              'reservation_line_held_guard', 'reservation_lines_held_v1', 'reservation_lock_v1',
               'reservation_transition_guard', 'reservation_view_v1', 'reserve_v1',
               'sku_limit_set_v1', 'sku_lock_v1', 'sku_settings_v1',
               'stock_adjust_v1', 'stock_adjust_v2', 'stock_precondition_failed_v1',
