@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from pgreserve import Database, ReservationService
+from pgreserve.core import batching
 from pgreserve.domain import Reservation, ReserveOutcome
 from pgreserve.errors import PgReserveError
 from test_batching import bucket_id, bucket_locked
@@ -181,3 +182,85 @@ async def test_a_batch_answers_as_its_requests_sent_one_by_one(db: Database,
     one_by_one = await run(db, scenarios(plain_now)[name], f"{name}-plain", False,
                            plain_now)
     assert batched == one_by_one
+
+
+async def test_a_deferred_request_keeps_its_own_deadline_during_anothers_turn(
+        db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request deferred behind one sent alone (a short reserve on a backorder line)
+    whose deadline passes while that one's unbatched call runs is answered Busy then,
+    not when the turn ends: its deadline is its own. The retried one is held."""
+    from pgreserve import deadline
+    from pgreserve.errors import Busy
+
+    svc = ReservationService(db)
+    tenant = (await svc.create_tenant("deferred-deadline")).id
+    await svc.set_stock(tenant, SKU, LOCATION, 5, backorder_limit=5)
+    bucket = await bucket_id(db, tenant, SKU)
+    turn_ended = asyncio.Event()
+    check_key = svc._check_api_key
+
+    async def slow_alone(*args: Any) -> None:  # the retried reserve's own call, held up
+        await turn_ended.wait()
+        await check_key(*args)
+
+    monkeypatch.setattr(svc, "_check_api_key", slow_alone)
+    # the turn would otherwise end by itself after TURN_WAIT_S (A has no deadline)
+    monkeypatch.setattr(batching, "TURN_WAIT_S", 3600.0)
+    assert svc.combiner is not None
+    queue = svc.combiner._queues
+
+    async def late() -> Any:
+        with deadline(0.3):
+            return await svc.reserve(tenant, "b", [(SKU, LOCATION, 1)])
+
+    with bucket_locked(db.conninfo, bucket) as blocker:
+        first = asyncio.ensure_future(svc.reserve(tenant, "first", [(SKU, LOCATION, 1)]))
+        await wait_until_blocked(db.conninfo)
+        short, deferred = await queued_in_order(
+            lambda: len(queue.get((tenant, bucket), ())),
+            [lambda: svc.reserve(tenant, "a", [(SKU, LOCATION, 8)]), late])
+        blocker.rollback()
+    await first
+    with pytest.raises(Busy):  # answered while the retried request still holds its turn
+        await asyncio.wait_for(deferred, 120)  # (not a speed limit: the turn lasts 3600 s)
+    assert not short.done()
+    turn_ended.set()
+    held = await short
+    assert held.held and held.reservation is not None
+    assert held.reservation.lines[0].backordered == 4
+
+
+async def test_a_short_deadline_does_not_answer_its_bucket_mates_busy(dsn: str) -> None:
+    """While no pool connection is free, a queued request waits for one as an unbatched
+    call would (pool_wait_s, never past its own deadline): one with a short deadline is
+    answered Busy when it passes; one without waits on and is held once the connection
+    comes back, as it would be unbatched."""
+    from pgreserve import deadline
+    from pgreserve.errors import Busy
+
+    async with Database(dsn, max_size=1) as small:
+        svc = ReservationService(small)
+        plain = ReservationService(small, batching=False)
+        tenant = (await svc.create_tenant("short-deadline")).id
+        await svc.set_stock(tenant, SKU, LOCATION, 5)
+        await svc.set_stock(tenant, "other", LOCATION, 5)
+        await svc.reserve(tenant, "warm", [(SKU, LOCATION, 1)])  # the bucket id is known
+        other = await bucket_id(small, tenant, "other")
+
+        async def short() -> Any:
+            with deadline(0.2):
+                return await svc.reserve(tenant, "short", [(SKU, LOCATION, 1)])
+
+        with bucket_locked(dsn, other) as blocker:  # the pool's one connection waits
+            hog = asyncio.ensure_future(plain.reserve(tenant, "hog", [("other", LOCATION, 1)]))
+            await wait_until_blocked(dsn)
+            hurried = asyncio.ensure_future(short())
+            patient = asyncio.ensure_future(svc.reserve(tenant, "patient",
+                                                        [(SKU, LOCATION, 1)]))
+            with pytest.raises(Busy):
+                await hurried
+            assert not patient.done()
+            blocker.rollback()
+        assert (await hog).held
+        assert (await patient).held
+        assert (await plain.get_stock(tenant, SKU, LOCATION)).reserved == 2

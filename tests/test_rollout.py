@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psycopg
@@ -1143,3 +1144,64 @@ async def test_a_shadow_sale_whose_twin_pgreserve_let_go_leaves_pgreserve_s_coun
     view = await service.get_stock(tenant.id, "a", "x")
     assert (view.on_hand, view.reserved, view.available) == (4, 0, 4)
     assert await service.invariant_violations() == []
+
+
+async def test_a_shadow_sale_leaves_pgreserve_s_count_once_whatever_its_twin_answered(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sold shadow hold's units leave pgreserve's count once: by its twin's claim,
+    also when that claim's answer was lost after its commit (OutcomeUnknown) or was a
+    Busy the caller's retry then sold; or, when the twin was released, by the legacy
+    sale, once, also after the request keys are forgotten and the claim comes again."""
+    from datetime import timedelta
+
+    await seed(service, store, tenant.id, "a", 20, "x")
+    await set_mode(db, tenant.id, Mode.SHADOW, "test")
+    claim = service.claim
+
+    async def lost_answer(*args: Any, **kwargs: Any) -> Any:
+        await claim(*args, **kwargs)  # committed, then the answer is lost
+        raise errors.OutcomeUnknown("the connection was lost after the commit")
+
+    async def busy(*args: Any, **kwargs: Any) -> Any:
+        raise errors.Busy("no connection was free")
+
+    for failure in (lost_answer, busy):
+        held = await rollout.reserve(tenant.id, f"k-{failure.__name__}", [("a", "x", 2)],
+                                     ttl=60)
+        assert held.reservation is not None
+        monkeypatch.setattr(service, "claim", failure)
+        assert (await rollout.claim(tenant.id, held.reservation.id)).status is \
+            Status.CLAIMED
+        monkeypatch.setattr(service, "claim", claim)
+        assert (await rollout.claim(tenant.id, held.reservation.id)).status is \
+            Status.CLAIMED  # the caller's retry
+    assert (await service.get_stock(tenant.id, "a", "x")).on_hand == 16
+    released = await rollout.reserve(tenant.id, "k-released", [("a", "x", 2)], ttl=60)
+    assert released.reservation is not None
+    record = await store.record(tenant.id, released.reservation.id)
+    assert record is not None and record.pg_id is not None
+    await service.release(tenant.id, record.pg_id)
+    await rollout.claim(tenant.id, released.reservation.id)
+    assert (await service.get_stock(tenant.id, "a", "x")).on_hand == 14
+    assert await service.purge_request_keys(timedelta(0)) > 0
+    await rollout.claim(tenant.id, released.reservation.id)
+    assert (await service.get_stock(tenant.id, "a", "x")).on_hand == 14
+    assert await store.available(tenant.id, "a", "x") == 14
+    assert await service.invariant_violations() == []
+
+
+async def test_legacy_sale_lines_with_at_signs_each_leave_their_own_count(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """The correction of each line of a legacy sale has a key of its own, whatever the
+    names: ("a@b", "c") and ("a", "b@c") in one hold both leave pgreserve's count."""
+    await seed(service, store, tenant.id, "a@b", 10, "c")
+    await seed(service, store, tenant.id, "a", 10, "b@c")
+    await set_mode(db, tenant.id, Mode.LEGACY, "test")
+    out = await rollout.reserve(tenant.id, "k", [("a@b", "c", 1), ("a", "b@c", 2)], ttl=60)
+    assert out.held and out.reservation is not None
+    await rollout.claim(tenant.id, out.reservation.id)
+    one = await service.get_stock(tenant.id, "a@b", "c")
+    two = await service.get_stock(tenant.id, "a", "b@c")
+    assert (one.on_hand, two.on_hand) == (9, 8)

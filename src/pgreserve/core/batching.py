@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
+from psycopg_pool import PoolTimeout
+
 from .. import errors
 from ..db import literals as lit
 from ..db.database import Database, Op, Session, current_deadline, deadline_at
@@ -197,8 +199,8 @@ class Combiner:
                 if not queue:
                     break
                 session = self.db.session(BATCH_OP)
-                with deadline_at(_earliest(queue)):
-                    await session.connection()
+                if not await self._connect(session, queue):
+                    break
                 retried: _Pending | None = None
                 async with session:
                     while queue:
@@ -211,9 +213,9 @@ class Combiner:
                         if session.lost or session.contended():
                             break
                 if retried is not None:
-                    await _turn_over(retried)
+                    await self._turn_over(retried, queue)
         except Exception as exc:  # noqa: BLE001 (_send answers its own batch's errors)
-            # no session in time: the waiting requests were not sent
+            # the waiting requests were not sent
             log.warning("no connection for the batches of bucket %s: %s", key, exc)
             _fail(list(queue), errors.Busy(f"no database connection was free: {exc}"))
             queue.clear()
@@ -225,6 +227,48 @@ class Combiner:
             del self._tasks[key]
             if not queue:
                 self._queues.pop(key, None)
+
+    async def _connect(self, session: Session, queue: deque[_Pending]) -> bool:
+        """Take the drain's connection. Each queued request waits for it as long as an
+        unbatched call would: `pool_wait_s`, never past its own deadline. A wait that
+        ends without one answers Busy to the requests whose wait is over; the others
+        wait on. False when none is left."""
+        limit = time.monotonic() + self.db.settings.pool_wait_s
+        while queue:
+            now = time.monotonic()
+            bound = min([limit, *(p.end for p in queue if p.end is not None)])
+            try:
+                await session.connection(wait=max(0.0, bound - now))
+                return True
+            except PoolTimeout as exc:
+                now = time.monotonic() + 0.001
+                over = [p for p in queue
+                        if (limit if p.end is None else min(limit, p.end)) <= now]
+                if over:
+                    gone = {id(p) for p in over}
+                    kept = [p for p in queue if id(p) not in gone]
+                    queue.clear()
+                    queue.extend(kept)
+                    self.stats.busy += len(over)
+                    _fail(over, errors.Busy(f"no database connection was free: {exc}"))
+        return False
+
+    async def _turn_over(self, pending: _Pending, queue: deque[_Pending]) -> None:
+        """Wait until the caller of a retried request has ended its turn (at most until
+        its deadline, or TURN_WAIT_S without one). The requests queued meanwhile keep
+        their own deadlines: one that passes is answered Busy at once."""
+        wait = TURN_WAIT_S if pending.end is None else max(0.0, pending.end - time.monotonic())
+        limit = time.monotonic() + wait + 1.0
+        while not pending.turn.is_set():
+            now = time.monotonic()
+            if now >= limit:
+                log.warning("a retried request's caller kept its turn over %.0f s; the "
+                            "bucket's next batch leaves without it", wait + 1.0)
+                return
+            bound = min([limit, *(p.end for p in queue if p.end is not None)])
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(pending.turn.wait(), max(0.001, bound - now))
+            self._drop_late(queue)
 
     def _drop_late(self, queue: deque[_Pending]) -> None:
         """Answer Busy to the queued requests past their deadline (never sent)."""
@@ -351,15 +395,6 @@ def _fail(batch: Sequence[_Pending], exc: BaseException) -> None:
             pending.future.set_exception(exc)
 
 
-async def _turn_over(pending: _Pending) -> None:
-    """Wait until the caller of a retried request has ended its turn (at most until
-    its deadline, or TURN_WAIT_S without one)."""
-    wait = TURN_WAIT_S if pending.end is None else max(0.0, pending.end - time.monotonic())
-    try:
-        await asyncio.wait_for(pending.turn.wait(), wait + 1.0)
-    except TimeoutError:
-        log.warning("a retried request's caller kept its turn over %.0f s; the bucket's "
-                    "next batch leaves without it", wait + 1.0)
 
 
 def _retrieve(future: asyncio.Future[dict[str, Any]]) -> None:

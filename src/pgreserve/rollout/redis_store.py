@@ -38,6 +38,10 @@ from ..domain import Line, Reservation, ReserveOutcome, ShortLine, Status
 
 # Kept after a hold ends, so a repeated claim or release answers the same.
 RETENTION = timedelta(hours=24)
+# How long Redis remembers that an adjustment's request key moved its counter: longer
+# than pgreserve keeps request keys by default (24 h), so that a retry pgreserve still
+# replays never moves the counter again (keep key_retention_hours below it).
+ADJUSTMENT_MEMORY = timedelta(days=7)
 
 # A Redis that does not answer within this fails the call (OutcomeUnknown): in the
 # modes where Redis is the secondary store the caller never waits longer for it.
@@ -275,7 +279,7 @@ class RedisHoldStore:
             return int(await self.redis.incrby(counter, delta))
         return int(await self._adjust(
             keys=[counter, self.key(tenant, "adj", request_key)],
-            args=[delta, int(RETENTION.total_seconds() * 1000)]))
+            args=[delta, int(ADJUSTMENT_MEMORY.total_seconds() * 1000)]))
 
     @_answered
     async def available(self, tenant: int, sku: str, location: str) -> int:

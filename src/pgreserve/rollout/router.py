@@ -467,10 +467,12 @@ class Rollout:
                                                    ttl, shorten)
                 self._compare(tenant, mode, action, compared_key, transition_outcome(legacy),
                               out, legacy_ms, pg_ms)
-                if action == "claim" and record.pg_id is not None and "error" in out:
-                    # Redis sold what pgreserve's twin no longer held: the units leave
-                    # pgreserve's count as a legacy sale's do
-                    await self._secondary(self._legacy_sale(tenant, record, recount=True),
+                if action == "claim" and record.pg_id is not None and \
+                        out.get("error") in _NOT_SOLD_BY_TWIN:
+                    # Redis sold what pgreserve's twin no longer held (released or
+                    # expired there; not a failure that may have sold it, or may yet):
+                    # the units leave pgreserve's count as a legacy sale's do
+                    await self._secondary(self._legacy_sale(tenant, record, uncounted=True),
                                           "pgreserve", "legacy_sale")
                 return legacy
             started = perf_counter()
@@ -569,19 +571,20 @@ class Rollout:
         return done
 
     async def _legacy_sale(self, tenant: int, record: HoldRecord, *,
-                           recount: bool = False) -> None:
+                           uncounted: bool | None = None) -> None:
         """The legacy design's sale record. A hold pgreserve has no twin of (taken in
         `legacy`, or one whose twin pgreserve never made) was never held in pgreserve,
         whose count still has its units: they leave it with the sale, once, so that a
         tenant moving on to `primary` and `pgreserve` does not offer them again.
-        `recount`: a sold shadow hold whose twin pgreserve could not claim (released
-        or expired there): its units leave pgreserve's count the same way."""
+        `uncounted=True`: a sold shadow hold whose twin pgreserve refused to claim
+        (released or expired there): its units leave pgreserve's count the same way."""
         await self.service.db.fetch(queries["rollout_legacy_sale_record"], {
             "tenant": tenant, "reservation": uuid.UUID(record.id),
             "skus": [x.sku for x in record.lines],
             "locations": [x.location for x in record.lines],
             "quantities": [x.quantity for x in record.lines],
-            "untwinned": record.pg_id is None, "recount": recount}, op=OP_SALE)
+            "uncounted": record.pg_id is None if uncounted is None else uncounted},
+            op=OP_SALE)
 
     # -- expiry of legacy holds ----------------------------------------------------
 
@@ -623,6 +626,11 @@ class Rollout:
             await step
         except Exception:  # noqa: BLE001 - the secondary side never fails the caller
             self.metrics.secondary_failures.labels(side, operation).inc()
+
+
+# pgreserve's refusals of a twin's claim that say it did not, and will not, sell it
+_NOT_SOLD_BY_TWIN = frozenset({ReservationReleased.code, ReservationExpired.code,
+                               ReservationNotFound.code})
 
 
 def _stand_in(exc: BaseException, before: str | None,

@@ -119,29 +119,36 @@ ORDER BY traffic, t.tenant_id;
 
 -- name: rollout_legacy_sale_record
 -- The legacy design's ledger write of a claimed hold's lines (arrays of equal length),
--- and, for a hold pgreserve did not sell itself (`untwinned`), the units leaving
--- pgreserve's count of each line it has: a correction keyed by the sale's line,
--- forced (units pgreserve promised meanwhile become shortfall), with the sale's
--- first record, or whenever `recount` says so (a shadow hold whose pgreserve twin
--- could not be claimed: its key keeps it to once).
-WITH saved AS (
-    INSERT INTO rollout_legacy_sale (tenant_id, reservation_id, sku, location, quantity)
-    SELECT %(tenant)s, %(reservation)s, sku, location, quantity
-    FROM unnest(%(skus)s::text[], %(locations)s::text[], %(quantities)s::int[])
-         AS r(sku, location, quantity)
-    ON CONFLICT DO NOTHING
-    RETURNING sku, location, quantity
-), sold AS (
-    SELECT sku, location, quantity FROM saved WHERE %(untwinned)s
-    UNION
+-- and, for a sale of units pgreserve did not sell itself (`uncounted`: a hold it has
+-- no twin of, or a shadow hold whose twin it could not claim), the units leaving
+-- pgreserve's count of each line it has: a forced correction (units pgreserve
+-- promised meanwhile become shortfall), once per sale line (`counted`), under a key
+-- made of the sale's id and the line (length-prefixed, so no two lines share one).
+WITH lines AS (
     SELECT sku, location, quantity
     FROM unnest(%(skus)s::text[], %(locations)s::text[], %(quantities)s::int[])
          AS r(sku, location, quantity)
-    WHERE %(recount)s
+), saved AS (
+    INSERT INTO rollout_legacy_sale (tenant_id, reservation_id, sku, location, quantity,
+                                     counted)
+    SELECT %(tenant)s, %(reservation)s, sku, location, quantity, %(uncounted)s FROM lines
+    ON CONFLICT DO NOTHING
+    RETURNING sku, location, quantity, counted
+), marked AS (
+    -- a sale recorded before, not counted yet (its twin's claim failed since)
+    UPDATE rollout_legacy_sale s SET counted = true
+    FROM lines l
+    WHERE %(uncounted)s AND s.tenant_id = %(tenant)s AND s.reservation_id = %(reservation)s
+      AND s.sku = l.sku AND s.location = l.location AND NOT s.counted
+    RETURNING s.sku, s.location, s.quantity
+), sold AS (
+    SELECT sku, location, quantity FROM saved WHERE counted
+    UNION ALL
+    SELECT sku, location, quantity FROM marked
 ), counted AS (
     SELECT stock_adjust_v2(%(tenant)s,
                            'legacy-sale:' || %(reservation)s::text || ':'
-                               || md5(s.sku || '@' || s.location),
+                               || md5(length(s.sku)::text || ':' || s.sku || s.location),
                            'legacy-sale', s.sku, s.location, -s.quantity, 'legacy sale',
                            true, NULL, NULL)
     FROM sold s
