@@ -35,7 +35,7 @@ import logging
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -112,13 +112,40 @@ class BatchStats:
 
 @dataclass(eq=False, slots=True)
 class _Pending:
-    """A queued request, its caller's answer, its deadline (monotonic, or None) and,
-    once answered retry, the end of its caller's turn."""
+    """A queued request, its caller's answer, its deadline (monotonic, or None) and
+    whether its caller is done with it (for a request answered retry: the end of the
+    caller's turn, which the drain waits for on `turn`, made only then)."""
 
     request: BatchRequest
     future: asyncio.Future[dict[str, Any]]
     end: float | None
-    turn: asyncio.Event = field(default_factory=asyncio.Event)
+    done: bool = False
+    turn: asyncio.Event | None = None
+
+    def finish(self) -> None:
+        self.done = True
+        if self.turn is not None:
+            self.turn.set()
+
+
+class _Turn:
+    """`Combiner.request`'s context: the answer on entry, the caller done on exit
+    (a class rather than a generator: it is on every batched request's path)."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self, pending: _Pending) -> None:
+        self.pending = pending
+
+    async def __aenter__(self) -> dict[str, Any]:
+        try:
+            return await asyncio.shield(self.pending.future)
+        except BaseException:
+            self.pending.finish()  # the caller is gone: nobody takes the turn
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.pending.finish()
 
 
 # How long the next batch waits at most for a retried request's caller to end its
@@ -156,12 +183,11 @@ class Combiner:
         async with self.request(tenant, bucket, request) as answer:
             return answer
 
-    @contextlib.asynccontextmanager
-    async def request(self, tenant: int, bucket: int,
-                      request: BatchRequest) -> AsyncIterator[dict[str, Any]]:
-        """`submit`, with the caller's turn: when the answer is `{"retry": true}`,
-        the bucket's later requests wait until this block ends, so what the caller
-        does in it (the request's unbatched call) comes before them."""
+    def request(self, tenant: int, bucket: int, request: BatchRequest) -> _Turn:
+        """`submit`, with the caller's turn: `async with combiner.request(...) as answer`.
+        When the answer is `{"retry": true}`, the bucket's later requests wait until
+        the block ends, so what the caller does in it (the request's unbatched call)
+        comes before them. Busy at once when the bucket's queue is full."""
         key = (tenant, bucket)
         queue = self._queues.setdefault(key, deque())
         if len(queue) >= self.config.max_queue:
@@ -174,10 +200,7 @@ class Combiner:
         queue.append(pending)
         if key not in self._tasks:
             self._tasks[key] = asyncio.create_task(self._drain(key))
-        try:
-            yield await asyncio.shield(future)
-        finally:
-            pending.turn.set()  # also when the caller is gone: nobody takes the turn
+        return _Turn(pending)
 
     async def _drain(self, key: tuple[int, int]) -> None:
         queue = self._queues[key]
@@ -259,7 +282,9 @@ class Combiner:
         their own deadlines: one that passes is answered Busy at once."""
         wait = TURN_WAIT_S if pending.end is None else max(0.0, pending.end - time.monotonic())
         limit = time.monotonic() + wait + 1.0
-        while not pending.turn.is_set():
+        if pending.turn is None:
+            pending.turn = asyncio.Event()
+        while not pending.done:
             now = time.monotonic()
             if now >= limit:
                 log.warning("a retried request's caller kept its turn over %.0f s; the "
