@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -83,6 +84,20 @@ async def run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str
     """Run a command in a thread (the event loop keeps serving) and return its result."""
     return await asyncio.to_thread(subprocess.run, list(argv), capture_output=True, text=True,
                                    check=check)
+
+
+@contextlib.asynccontextmanager
+async def redis_down(rollout: Rollout) -> AsyncIterator[None]:
+    """Inside, the rollout's Redis does not answer (a store on a port nothing listens
+    on, given up after 0.2 s); its own store again after."""
+    live = rollout.store
+    down = RedisServer()  # never started: nothing listens on its port
+    rollout.store = RedisHoldStore(down.url, namespace=live.namespace, timeout_s=0.2)
+    try:
+        yield
+    finally:
+        await rollout.store.aclose()
+        rollout.store = live
 
 
 async def pg_sold(db: Database, tenant: int, sku: str) -> int:
@@ -791,14 +806,8 @@ async def test_primary_replay_keeps_the_hold_the_caller_was_told_when_redis_was_
     never changes and the caller's hold is not given back behind its back."""
     await seed(service, store, tenant.id, "a", 1, "x")
     await set_mode(db, tenant.id, Mode.PRIMARY, "test")
-    live = rollout.store
-    down = RedisServer()  # never started: nothing listens on its port
-    rollout.store = RedisHoldStore(down.url, namespace=store.namespace, timeout_s=0.2)
-    try:
+    async with redis_down(rollout):
         first = await rollout.reserve(tenant.id, "k", [("a", "x", 1)], ttl=60)
-    finally:
-        await rollout.store.aclose()
-        rollout.store = live
     assert first.held and first.reservation is not None
     await store.adjust_stock(tenant.id, "a", "x", -1)  # Redis now has no unit for it
     again = await rollout.reserve(tenant.id, "k", [("a", "x", 1)], ttl=60)
@@ -973,15 +982,9 @@ async def test_an_adjustment_retried_after_redis_did_not_answer_moves_redis_once
     and moves the Redis counter then, once: further retries leave both stores alone."""
     await seed(service, store, tenant.id, "a", 10, "x")
     await set_mode(db, tenant.id, Mode.LEGACY, "test")
-    live = rollout.store
-    down = RedisServer()  # never started: nothing listens on its port
-    rollout.store = RedisHoldStore(down.url, namespace=store.namespace, timeout_s=0.2)
-    try:
+    async with redis_down(rollout):
         with pytest.raises(errors.OutcomeUnknown):
             await rollout.adjust_stock(tenant.id, "adj-1", "a", "x", 5, reason="receipt")
-    finally:
-        await rollout.store.aclose()
-        rollout.store = live
     assert await store.available(tenant.id, "a", "x") == 10  # Redis never saw it
     for _ in range(2):
         again = await rollout.adjust_stock(tenant.id, "adj-1", "a", "x", 5, reason="receipt")
@@ -1076,15 +1079,9 @@ async def test_going_back_from_primary_is_refused_while_redis_missed_writes(
     await set_mode(db, tenant.id, Mode.PRIMARY, "test")
     assert await set_mode(db, tenant.id, Mode.LEGACY, "test") is Mode.PRIMARY  # no miss
     await set_mode(db, tenant.id, Mode.PRIMARY, "test")
-    live = rollout.store
-    down = RedisServer()  # never started: nothing listens on its port
-    rollout.store = RedisHoldStore(down.url, namespace=store.namespace, timeout_s=0.2)
-    try:
+    async with redis_down(rollout):
         held = await rollout.reserve(tenant.id, "missed", [("a", "x", 4)], ttl=60)
         counted = await rollout.adjust_stock(tenant.id, "count-1", "a", "x", 1)
-    finally:
-        await rollout.store.aclose()
-        rollout.store = live
     assert held.held and counted.on_hand == 11
     await rollout.recorder.flush()
     _, latest = await reports.report(db, tenant.id)
@@ -1115,15 +1112,9 @@ async def test_a_shadow_sale_whose_twin_pgreserve_let_go_leaves_pgreserve_s_coun
     same stock."""
     await seed(service, store, tenant.id, "a", 10, "x")
     await set_mode(db, tenant.id, Mode.SHADOW, "test")
-    live = rollout.store
-    down = RedisServer()  # never started: nothing listens on its port
-    rollout.store = RedisHoldStore(down.url, namespace=store.namespace, timeout_s=0.2)
-    try:
+    async with redis_down(rollout):
         with pytest.raises(errors.OutcomeUnknown):
             await rollout.reserve(tenant.id, "k1", [("a", "x", 4)], ttl=60)
-    finally:
-        await rollout.store.aclose()
-        rollout.store = live
     again = await rollout.reserve(tenant.id, "k1", [("a", "x", 4)], ttl=60)
     assert again.held and again.reservation is not None
     for _ in range(2):
