@@ -258,22 +258,16 @@ class Combiner:
         wait on. False when none is left."""
         limit = time.monotonic() + self.db.settings.pool_wait_s
         while queue:
-            now = time.monotonic()
-            bound = min([limit, *(p.end for p in queue if p.end is not None)])
+            bound = _before(limit, _earliest(queue))
             try:
-                await session.connection(wait=max(0.0, bound - now))
+                await session.connection(wait=max(0.0, bound - time.monotonic()))
                 return True
             except PoolTimeout as exc:
-                now = time.monotonic() + 0.001
-                over = [p for p in queue
-                        if (limit if p.end is None else min(limit, p.end)) <= now]
-                if over:
-                    gone = {id(p) for p in over}
-                    kept = [p for p in queue if id(p) not in gone]
-                    queue.clear()
-                    queue.extend(kept)
-                    self.stats.busy += len(over)
-                    _fail(over, errors.Busy(f"no database connection was free: {exc}"))
+                busy = errors.Busy(f"no database connection was free: {exc}")
+                if time.monotonic() + 0.001 >= limit:  # every queued request's wait is over
+                    self._drop_late(queue, busy, every=True)
+                else:
+                    self._drop_late(queue, busy)
         return False
 
     async def _turn_over(self, pending: _Pending, queue: deque[_Pending]) -> None:
@@ -290,21 +284,23 @@ class Combiner:
                 log.warning("a retried request's caller kept its turn over %.0f s; the "
                             "bucket's next batch leaves without it", wait + 1.0)
                 return
-            bound = min([limit, *(p.end for p in queue if p.end is not None)])
+            bound = _before(limit, _earliest(queue))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(pending.turn.wait(), max(0.001, bound - now))
             self._drop_late(queue)
 
-    def _drop_late(self, queue: deque[_Pending]) -> None:
-        """Answer Busy to the queued requests past their deadline (never sent)."""
+    def _drop_late(self, queue: deque[_Pending], busy: errors.Busy | None = None, *,
+                   every: bool = False) -> None:
+        """Answer Busy (`busy`, else the late one) to the queued requests past their
+        deadline, or to all of them with `every` (never sent)."""
         now = time.monotonic()
-        late = [p for p in queue if p.end is not None and p.end <= now]
+        late = [p for p in queue if every or (p.end is not None and p.end <= now)]
         if late:
-            kept = [p for p in queue if p.end is None or p.end > now]
+            kept = [p for p in queue if not every and (p.end is None or p.end > now)]
             queue.clear()
             queue.extend(kept)
             self.stats.busy += len(late)
-            _fail(late, _late_busy())
+            _fail(late, busy or _late_busy())
 
     def _next_batch(self, queue: deque[_Pending]) -> list[_Pending]:
         """Up to max_batch queued requests; those past their deadline are answered
@@ -408,6 +404,11 @@ def _references(requests: Sequence[BatchRequest]) -> tuple[str | None, str | Non
                                     for r in requests))
 
 
+def _before(limit: float, end: float | None) -> float:
+    """The earlier of a limit and a deadline (None: none)."""
+    return limit if end is None else min(limit, end)
+
+
 def _earliest(batch: Sequence[_Pending] | deque[_Pending]) -> float | None:
     """The earliest deadline of these requests (None: none has one)."""
     ends = [p.end for p in batch if p.end is not None]
@@ -418,8 +419,6 @@ def _fail(batch: Sequence[_Pending], exc: BaseException) -> None:
     for pending in batch:
         if not pending.future.done():
             pending.future.set_exception(exc)
-
-
 
 
 def _retrieve(future: asyncio.Future[dict[str, Any]]) -> None:
