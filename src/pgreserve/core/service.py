@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from time import perf_counter
-from typing import Any, Literal, LiteralString, Protocol, cast
+from typing import Any, Literal, LiteralString, Protocol, TypeVar, cast
 
 import psycopg
 from psycopg import sql as sql_
@@ -66,6 +66,8 @@ from ..errors import (
     WebhookNotFound,
 )
 from .batching import BatchConfig, BatchRequest, Combiner
+
+T = TypeVar("T")
 
 Clock = Callable[[], datetime | None]
 
@@ -1150,17 +1152,10 @@ class ReservationService:
         request = BatchRequest("reserve", key=key, digest=fingerprint, quantity=line.quantity,
                                ttl=life, reference=reference, metadata=metadata or None,
                                api_key=api_key)
-        sent_alone = False
-        try:
-            async with combiner.request(tenant, bucket, request) as answer:
-                doc = _batch_answer(answer)
-                if doc is None:
-                    sent_alone = True
-                    return await alone()  # (observed there)
-        except Exception as exc:
-            if not sent_alone:
-                self._observe("reserve", _failure(exc), started)
-            raise
+        doc, sent = await self._through_batch(combiner, "reserve", tenant, bucket, request,
+                                              started, alone)
+        if doc is None:
+            return sent
         outcome = ReserveOutcome.from_json(doc)
         if outcome.reservation is not None:
             self._remember_bucket(tenant, uuid.UUID(outcome.reservation.id), bucket)
@@ -1189,23 +1184,37 @@ class ReservationService:
         request = BatchRequest(
             action, key=key, digest=digest(action, {"id": str(rid)}) if key is not None else None,
             reservation_id=rid, api_key=api_key)
-        sent_alone = False
-        try:
-            async with combiner.request(tenant, bucket, request) as answer:
-                doc = _batch_answer(answer)
-                if doc is None:
-                    sent_alone = True
-                    return await alone()  # (observed there)
-        except Exception as exc:
-            if not sent_alone:
-                self._observe(action, _failure(exc), started)
-            raise
+        doc, sent = await self._through_batch(combiner, action, tenant, bucket, request,
+                                              started, alone)
+        if doc is None:
+            return sent
         if key is None:
             self._observe(action, "ok", started)
             return Reservation.from_json(doc)
         replayed = bool(doc.get("replayed"))
         self._observe(action, "idempotent_replay" if replayed else "ok", started)
         return Reservation.from_json(doc["reservation"], replayed=replayed)
+
+    async def _through_batch(self, combiner: Combiner, action: str, tenant: int, bucket: int,
+                             request: BatchRequest, started: float,
+                             alone: Callable[[], Awaitable[T]]) -> tuple[dict[str, Any] | None,
+                                                                         T | None]:
+        """The document the bucket's batch answered `request` with (and None); or, for a
+        request the batch cannot decide, None and what `alone` answered, sent in the
+        request's turn (Combiner.request). A failure of the batch is observed under
+        `action`; `alone` observes its own."""
+        sent_alone = False
+        try:
+            async with combiner.request(tenant, bucket, request) as answer:
+                doc = _batch_answer(answer)
+                if doc is None:
+                    sent_alone = True
+                    return None, await alone()
+        except Exception as exc:
+            if not sent_alone:
+                self._observe(action, _failure(exc), started)
+            raise
+        return doc, None
 
     async def _bucket_id(self, tenant: int, sku: str, location: str) -> int | None:
         found = self._bucket_ids.get((tenant, sku, location))
