@@ -153,3 +153,70 @@ async def test_a_rejection_commits_as_durably_as_a_hold(dsn: str) -> None:
         conn.execute(call, (tenant.id, "yes", "{one}"))
         assert conn.execute("SHOW synchronous_commit").fetchone() == ("on",)
         conn.rollback()
+
+
+def index_entries_read(conn: psycopg.Connection, index: str) -> int:
+    """Index entries read through `index` so far, this session's reads included."""
+    conn.execute("SELECT pg_stat_force_next_flush()")
+    conn.execute("SELECT pg_stat_clear_snapshot()")
+    row = conn.execute("SELECT idx_tup_read FROM pg_stat_user_indexes WHERE indexrelname = %s",
+                       (index,)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+BATCH = ("SELECT bucket_batch_v1(%s, %s, %s::text[], %s::text[], %s::text[], %s::integer[],"
+         " %s::interval[], %s::uuid[])")
+
+
+def batch(conn: psycopg.Connection, tenant: int, bucket: int, kinds: list[str],
+          keys: list[str], ids: list[str | None]) -> list[dict[str, object]]:
+    n = len(kinds)
+    row = conn.execute(BATCH, (tenant, bucket, kinds, keys, ["d"] * n, [1] * n,
+                               ["15 minutes"] * n, ids)).fetchone()
+    assert row is not None
+    answers: list[dict[str, object]] = row[0]
+    return answers
+
+
+async def test_a_batch_reads_only_its_own_keys_and_reservations(dsn: str) -> None:
+    """A batch's lookups of stored answers and of the reservations it claims read the
+    index entries of those keys and ids only, also in a session whose plans were made
+    while the tenant had no history (before, the key lookup's plan made then read every
+    answer the tenant had stored, at each batch, until the next ANALYZE)."""
+    async with Database(dsn, min_size=1, max_size=1) as db:
+        service = ReservationService(db)
+        tenant = await service.create_tenant("batch-plans")
+        await service.set_stock(tenant.id, "s", "w", 5000, strategy="pool")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT bucket_id FROM stock_bucket WHERE tenant_id = %s",
+                           (tenant.id,)).fetchone()
+        assert row is not None
+        bucket = int(row[0])
+        # the session's generic plans are made now, while the tenant has no history
+        first = batch(conn, tenant.id, bucket, ["reserve"], ["first"], [None])
+        held = first[0]["ok"]
+        assert isinstance(held, dict)
+        claim_id = held["reservation"]["id"]
+        batch(conn, tenant.id, bucket, ["claim"], ["claim-0"], [claim_id])
+        history = 3000
+        batch(conn, tenant.id, bucket, ["reserve"] * history,
+              [f"h{i}" for i in range(history)], [None] * history)
+        held = batch(conn, tenant.id, bucket, ["reserve"], ["second"], [None])[0]["ok"]
+        assert isinstance(held, dict)
+        second_id = held["reservation"]["id"]
+
+        ledger = index_entries_read(conn, "request_ledger_pkey")
+        answers = batch(conn, tenant.id, bucket, ["reserve", "reserve"], ["h7", "new"],
+                        [None, None])
+        ledger_read = index_entries_read(conn, "request_ledger_pkey") - ledger
+        assert answers[0]["ok"]["replayed"] is True  # type: ignore[index]
+
+        reservations = index_entries_read(conn, "reservation_pkey")
+        answers = batch(conn, tenant.id, bucket, ["claim"], ["claim-1"], [second_id])
+        reservations_read = index_entries_read(conn, "reservation_pkey") - reservations
+        assert answers[0]["ok"]["reservation"]["status"] == "claimed"  # type: ignore[index]
+    # one entry per key and id looked up (a few more for a page split meanwhile),
+    # not thousands
+    assert ledger_read <= 10, ledger_read
+    assert reservations_read <= 10, reservations_read

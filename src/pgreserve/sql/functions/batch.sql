@@ -127,8 +127,8 @@ BEGIN
          r_reference, r_metadata
     FROM (SELECT * FROM reservation
           WHERE tenant_id = p_tenant
-            AND reservation_id = ANY (SELECT x FROM unnest(p_ids, p_kinds) AS u(x, k)
-                                      WHERE x IS NOT NULL AND k <> 'expire')
+            AND reservation_id = ANY (ARRAY(SELECT x FROM unnest(p_ids, p_kinds) AS u(x, k)
+                                            WHERE x IS NOT NULL AND k <> 'expire'))
           ORDER BY reservation_id
           FOR UPDATE) r;
     -- The sweeper's expiries wait for no one (as expire_due_v1's SKIP LOCKED):
@@ -143,8 +143,8 @@ BEGIN
          r_reference, r_metadata
     FROM (SELECT * FROM reservation
           WHERE tenant_id = p_tenant
-            AND reservation_id = ANY (SELECT x FROM unnest(p_ids, p_kinds) AS u(x, k)
-                                      WHERE k = 'expire')
+            AND reservation_id = ANY (ARRAY(SELECT x FROM unnest(p_ids, p_kinds) AS u(x, k)
+                                            WHERE k = 'expire'))
             AND reservation_id <> ALL (coalesce(r_ids, '{}'))
           ORDER BY reservation_id
           FOR UPDATE SKIP LOCKED) r;  -- none: array_agg is NULL, || keeps r_*
@@ -215,7 +215,7 @@ BEGIN
     INTO k_keys, k_ops, k_digests, k_outcomes
     FROM request_ledger
     WHERE tenant_id = p_tenant
-      AND request_key = ANY (SELECT k FROM unnest(p_keys) AS k WHERE k IS NOT NULL);
+      AND request_key = ANY (p_keys);
     k_keys := coalesce(k_keys, '{}');
     IF 'reserve' = ANY (p_kinds)
        AND EXISTS (SELECT 1 FROM stock_freeze f
