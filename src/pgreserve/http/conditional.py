@@ -70,4 +70,9 @@ def contradiction() -> errors.PreconditionFailed:
 def location_of(request: Request, *segments: str) -> str:
     """The Location of a created resource: its path under the app's root path."""
     root = str(request.scope.get("root_path") or "").rstrip("/")
-    return root + "/" + "/".join(quote(s, safe="") for s in segments)
+    return root + "/" + "/".join(s if _UNRESERVED.fullmatch(s) else quote(s, safe="")
+                                 for s in segments)
+
+
+# what quote(safe="") leaves as it is (a reservation id, a route's own segments)
+_UNRESERVED = re.compile(r"[A-Za-z0-9_.~-]*")

@@ -156,14 +156,24 @@ class OpsMetrics:
         self.xid_age = Gauge("pgreserve_database_xid_age", "age(datfrozenxid) of the database",
                              **g)
         self._seen_idle: set[str] = set()
+        # children of the two labelled series every operation updates (a handful of
+        # actions and outcomes)
+        self._latency: dict[str, Any] = {}
+        self._reserved: dict[str, Any] = {}
 
     # -- hooks -------------------------------------------------------------------
 
     def operation(self, action: str, outcome: str, seconds: float) -> None:
         """ServiceObserver: one service operation finished."""
-        self.latency.labels(action).observe(seconds)
+        latency = self._latency.get(action)
+        if latency is None:  # labels() costs more than the observation: one per action
+            latency = self._latency[action] = self.latency.labels(action)
+        latency.observe(seconds)
         if action == "reserve":
-            self.reservations.labels(outcome).inc()
+            counter = self._reserved.get(outcome)
+            if counter is None:
+                counter = self._reserved[outcome] = self.reservations.labels(outcome)
+            counter.inc()
         elif action == "refill":
             if outcome.isdigit() and int(outcome) > 0:
                 self.refilled(int(outcome))
