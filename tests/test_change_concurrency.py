@@ -10,7 +10,7 @@ import uuid
 import psycopg
 import pytest
 
-from pgreserve import Database, ReservationService, Tenant
+from pgreserve import Database, ReservationService, Tenant, errors
 from pgreserve.core.service import digest
 from test_concurrency import deadlocks, reserve_sql, wait_until_blocked
 
@@ -208,3 +208,58 @@ async def test_many_buyers_change_carts_while_others_reserve_and_the_books_balan
         for sku in skus:
             view = await service.get_stock(tenant.id, sku, "w")
             assert view.reserved == held_by_bucket(dsn, tenant.id)[sku]
+
+
+@pytest.mark.parametrize("case", ["row", "pool", "backorder"])
+async def test_a_change_whose_take_waits_across_the_expiry_is_refused(
+        dsn: str, service: ReservationService, tenant: Tenant, case: str) -> None:
+    """A change that raises a line waits for the bucket (a paused reserve holds it) while
+    its reservation's expiry passes. When the take decides, the reservation has expired:
+    the change is refused (reservation_not_active) and writes nothing. Before, the take
+    gave the change's own expired line up to cover itself, the change answered "held"
+    for a line that held nothing, and the units were lost for good."""
+    if case == "backorder":
+        await service.set_stock(tenant.id, "a", "w", 3, backorder_limit=5)
+        new = 6
+    else:
+        await service.set_stock(tenant.id, "a", "w", 4, strategy=case)
+        new = 4
+    held = (await service.reserve(tenant.id, "r1", [("a", "w", 2)], ttl=1)).reservation
+    assert held is not None
+    sql, params = reserve_sql(tenant.id, "paused", "a", "w", 1)
+    with psycopg.connect(dsn) as first:
+        assert first.execute(sql, params).fetchone()[0]["status"] == "held"  # type: ignore[index]
+        change = asyncio.create_task(service.change(tenant.id, held.id, [("a", "w", new)],
+                                                    request_key="c1"))
+        await wait_until_blocked(dsn)
+        await asyncio.sleep(1.3)  # the reservation expires while the change waits
+        first.commit()
+    with pytest.raises(errors.ReservationNotActive):
+        await change
+    assert await service.invariant_violations() == []
+    # nothing was stored under the key: it is refused again the same way
+    with pytest.raises(errors.ReservationNotActive):
+        await service.change(tenant.id, held.id, [("a", "w", new)], request_key="c1")
+    assert await service.expire_due() == 1
+    assert await service.invariant_violations() == []
+    stock = await service.get_stock(tenant.id, "a", "w")
+    assert stock.reserved == 1  # the paused reserve's unit only
+
+
+async def test_an_extend_that_waits_for_the_lines_across_the_expiry_is_refused(
+        dsn: str, service: ReservationService, tenant: Tenant) -> None:
+    """An extend waits for its reservation's lines (another transaction holds them) while
+    the expiry passes: it is judged when it decides, and refused."""
+    await service.set_stock(tenant.id, "a", "w", 4)
+    held = (await service.reserve(tenant.id, "r1", [("a", "w", 2)], ttl=1)).reservation
+    assert held is not None
+    with psycopg.connect(dsn) as first:
+        first.execute("SELECT 1 FROM reservation_line WHERE tenant_id = %s"
+                      " AND reservation_id = %s FOR UPDATE", (tenant.id, held.id))
+        extend = asyncio.create_task(service.extend(tenant.id, held.id, 600))
+        await wait_until_blocked(dsn)
+        await asyncio.sleep(1.3)
+        first.commit()
+    with pytest.raises(errors.ReservationNotActive):
+        await extend
+    assert (await service.get_reservation(tenant.id, held.id)).status.value == "expired"

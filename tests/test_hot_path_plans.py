@@ -14,6 +14,7 @@ import psycopg
 import pytest
 
 from pgreserve import Database, ReservationService
+from pgreserve.db.queries import queries
 
 HOT_TABLES = ("reservation_line", "reservation", "request_ledger", "stock_bucket")
 
@@ -220,3 +221,106 @@ async def test_a_batch_reads_only_its_own_keys_and_reservations(dsn: str) -> Non
     # not thousands
     assert ledger_read <= 10, ledger_read
     assert reservations_read <= 10, reservations_read
+
+
+def entries_read(conn: psycopg.Connection) -> int:
+    """Index entries and sequentially scanned rows read so far in pgreserve's tables."""
+    conn.execute("SELECT pg_stat_force_next_flush()")
+    conn.execute("SELECT pg_stat_clear_snapshot()")
+    row = conn.execute(
+        "SELECT (SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes"
+        "         WHERE schemaname = current_schema())"
+        "     + (SELECT coalesce(sum(seq_tup_read), 0) FROM pg_stat_user_tables"
+        "         WHERE schemaname = current_schema())").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def read_by(conn: psycopg.Connection, sql: str, params: tuple[object, ...]) -> tuple[int, object]:
+    """(rows and index entries read by one statement, its first value)."""
+    before = entries_read(conn)
+    row = conn.execute(sql, params).fetchone()
+    assert row is not None
+    return entries_read(conn) - before, row[0]
+
+
+RESERVE = "SELECT reserve_v1(%s, %s, 'd', %s::text[], %s::text[], %s::integer[], %s, %s)"
+EVENTS = queries["event_list"]
+
+
+async def test_claims_carts_expiry_and_the_feed_read_only_their_own_rows(dsn: str) -> None:
+    """Plans made while the tenant had no history (a new database), then thousands of
+    holds, claims, carts and events: a batched claim, a cart over two pool buckets, one
+    expiry and a page of events each read a few rows of their own, not the tenant's
+    history (before: a claim's writes could scan every line and reservation of the
+    tenant, a cart's unit delete every pool unit of the tenant, a sweep every held line,
+    and the feed sorted every event after the cursor, by the output column named xid)."""
+    async with Database(dsn, min_size=1, max_size=1) as db:
+        service = ReservationService(db)
+        tenant = await service.create_tenant("young-plans")
+        for i in range(8):  # 8 pool buckets of 200 units each in the pool
+            await service.set_stock(tenant.id, f"p{i}", "w", 100_000, strategy="pool",
+                                    pool_cap=200)
+    with psycopg.connect(dsn, autocommit=True) as history, \
+            psycopg.connect(dsn, autocommit=True) as conn:
+        # no ANALYZE meanwhile: the young plans stay (the pool's partitions included)
+        for (table,) in history.execute(
+                "SELECT relname FROM pg_class WHERE relnamespace = current_schema()::regnamespace"
+                " AND relkind = 'r'").fetchall():
+            history.execute(f"ALTER TABLE {table} SET (autovacuum_enabled = false)")
+        buckets = [int(r[0]) for r in history.execute(
+            "SELECT bucket_id FROM stock_bucket WHERE tenant_id = %s ORDER BY sku",
+            (tenant.id,))]
+        past = "now() - interval '1 hour'"
+
+        def cart(c: psycopg.Connection, key: str, ttl: str = "15 minutes",
+                 now: object = None) -> dict[str, object]:
+            doc: dict[str, object] = c.execute(RESERVE, (tenant.id, key, ["p0", "p1"],
+                                                         ["w", "w"], [1, 1], ttl, now)
+                                               ).fetchone()[0]  # type: ignore[index]
+            return doc
+
+        def one_due(c: psycopg.Connection, key: str) -> None:
+            c.execute(f"SELECT reserve_v1(%s, %s, 'd', '{{p2}}', '{{w}}', '{{1}}',"
+                      f" '1 second', {past})", (tenant.id, key))
+
+        # the young session makes its plans: a batched hold and claim, a cart over two
+        # pool buckets, a sweep, a page of events
+        held = batch(conn, tenant.id, buckets[0], ["reserve"], ["y0"], [None])[0]["ok"]
+        assert isinstance(held, dict)
+        batch(conn, tenant.id, buckets[0], ["claim"], ["yc0"], [held["reservation"]["id"]])
+        assert cart(conn, "ycart")["status"] == "held"
+        one_due(conn, "ydue")
+        conn.execute("SELECT expire_due_v1(10)")
+        conn.execute(EVENTS, (tenant.id, "0", 0, 10))
+
+        # history, from another session
+        many = 3000
+        answers = batch(history, tenant.id, buckets[0], ["reserve"] * many,
+                        [f"h{i}" for i in range(many)], [None] * many)
+        ids = [a["ok"]["reservation"]["id"] for a in answers]  # type: ignore[index]
+        batch(history, tenant.id, buckets[0], ["claim"] * 1000,
+              [f"hc{i}" for i in range(1000)], ids[:1000])
+        for i in range(300):
+            cart(history, f"hcart{i}")
+        one_due(history, "due")
+        # (the feed's statement is planned at each call: with statistics, as in
+        # production, an ordered scan of the feed index can stop after the page)
+        history.execute("ANALYZE outbox_event")
+        later = batch(history, tenant.id, buckets[0], ["reserve"], ["later"], [None])
+        later_id = later[0]["ok"]["reservation"]["id"]  # type: ignore[index]
+        history.execute("SELECT pg_stat_force_next_flush()")  # its reads counted by now
+
+        claim_read, _ = read_by(conn, BATCH, (tenant.id, buckets[0], ["claim"], ["lc"], ["d"],
+                                              [1], ["15 minutes"], [later_id]))
+        before = entries_read(conn)
+        assert cart(conn, "cart")["status"] == "held"
+        cart_read = entries_read(conn) - before
+        expiry_read, expired = read_by(conn, "SELECT expire_due_v1(10)", ())
+        assert expired == 1
+        feed_read, _ = read_by(conn, EVENTS, (tenant.id, "0", 0, 10))
+    # a few rows each (a pool bucket's own units: at most its 200), not thousands
+    assert claim_read <= 60, claim_read
+    assert cart_read <= 600, cart_read
+    assert expiry_read <= 60, expiry_read
+    assert feed_read <= 60, feed_read

@@ -341,7 +341,9 @@ BEGIN
     IF v_unit_ids <> '{}' THEN
         DELETE FROM stock_unit u
         USING unnest(v_unit_buckets, v_unit_ids) AS k(bucket, unit)
-        WHERE u.tenant_id = p_tenant AND u.bucket_id = k.bucket AND u.unit_id = k.unit;
+        WHERE u.tenant_id = p_tenant AND u.bucket_id = k.bucket AND u.unit_id = k.unit
+          -- (as index conditions too: a join alone read the tenant's whole pool)
+          AND u.bucket_id = ANY (v_unit_buckets) AND u.unit_id = ANY (v_unit_ids);
     END IF;
     -- one line per bucket, in (sku, location) order
     -- (a line shows its backordered units only when it has some)

@@ -120,34 +120,38 @@ BEGIN
         v_void := pg_advisory_xact_lock_shared(1885827686, freeze_lock_key_v1(p_tenant))::text;
     END IF;
 
-    SELECT array_agg(reservation_id), array_agg(status), array_agg(created_at),
-           array_agg(expires_at), array_agg(claimed_at), array_agg(released_at),
-           array_agg(expired_at), array_agg(reference), array_agg(metadata)
-    INTO r_ids, r_status, r_created, r_expires, r_claimed, r_released, r_expired,
-         r_reference, r_metadata
-    FROM (SELECT * FROM reservation
-          WHERE tenant_id = p_tenant
-            AND reservation_id = ANY (ARRAY(SELECT x FROM unnest(p_ids, p_kinds) AS u(x, k)
-                                            WHERE x IS NOT NULL AND k <> 'expire'))
-          ORDER BY reservation_id
-          FOR UPDATE) r;
-    -- The sweeper's expiries wait for no one (as expire_due_v1's SKIP LOCKED):
-    -- one locked elsewhere is skipped and found due again by the next sweep.
-    -- Taken after the waiting locks above, so no wait follows them.
-    SELECT r_ids || array_agg(reservation_id), r_status || array_agg(status),
-           r_created || array_agg(created_at), r_expires || array_agg(expires_at),
-           r_claimed || array_agg(claimed_at), r_released || array_agg(released_at),
-           r_expired || array_agg(expired_at), r_reference || array_agg(reference),
-           r_metadata || array_agg(metadata)
-    INTO r_ids, r_status, r_created, r_expires, r_claimed, r_released, r_expired,
-         r_reference, r_metadata
-    FROM (SELECT * FROM reservation
-          WHERE tenant_id = p_tenant
-            AND reservation_id = ANY (ARRAY(SELECT x FROM unnest(p_ids, p_kinds) AS u(x, k)
-                                            WHERE k = 'expire'))
-            AND reservation_id <> ALL (coalesce(r_ids, '{}'))
-          ORDER BY reservation_id
-          FOR UPDATE SKIP LOCKED) r;  -- none: array_agg is NULL, || keeps r_*
+    -- (reserves and refills name no reservation: a batch of them looks none up)
+    IF NOT p_kinds <@ ARRAY['reserve', 'refill'] THEN
+        SELECT array_agg(reservation_id), array_agg(status), array_agg(created_at),
+               array_agg(expires_at), array_agg(claimed_at), array_agg(released_at),
+               array_agg(expired_at), array_agg(reference), array_agg(metadata)
+        INTO r_ids, r_status, r_created, r_expires, r_claimed, r_released, r_expired,
+             r_reference, r_metadata
+        FROM (SELECT * FROM reservation
+              WHERE tenant_id = p_tenant
+                AND reservation_id = ANY (ARRAY(
+                        SELECT x FROM unnest(p_ids, p_kinds) AS u(x, k)
+                        WHERE x IS NOT NULL AND k <> 'expire'))
+              ORDER BY reservation_id
+              FOR UPDATE) r;
+        -- The sweeper's expiries wait for no one (as expire_due_v1's SKIP LOCKED):
+        -- one locked elsewhere is skipped and found due again by the next sweep.
+        -- Taken after the waiting locks above, so no wait follows them.
+        SELECT r_ids || array_agg(reservation_id), r_status || array_agg(status),
+               r_created || array_agg(created_at), r_expires || array_agg(expires_at),
+               r_claimed || array_agg(claimed_at), r_released || array_agg(released_at),
+               r_expired || array_agg(expired_at), r_reference || array_agg(reference),
+               r_metadata || array_agg(metadata)
+        INTO r_ids, r_status, r_created, r_expires, r_claimed, r_released, r_expired,
+             r_reference, r_metadata
+        FROM (SELECT * FROM reservation
+              WHERE tenant_id = p_tenant
+                AND reservation_id = ANY (ARRAY(
+                        SELECT x FROM unnest(p_ids, p_kinds) AS u(x, k) WHERE k = 'expire'))
+                AND reservation_id <> ALL (coalesce(r_ids, '{}'))
+              ORDER BY reservation_id
+              FOR UPDATE SKIP LOCKED) r;  -- none: array_agg is NULL, || keeps r_*
+    END IF;
     IF r_ids IS NOT NULL THEN
         PERFORM 1 FROM reservation_line
         WHERE tenant_id = p_tenant AND reservation_id = ANY (r_ids)
@@ -495,9 +499,10 @@ BEGIN
     END IF;
 
     IF t_ids <> '{}' THEN
+        -- (ids as an array: an index condition on both key columns, whatever the
+        -- statistics the plan was made with; a join let a young plan scan the tenant)
         UPDATE reservation_line l SET held = false
-        FROM unnest(t_ids) AS u(id)
-        WHERE l.tenant_id = p_tenant AND l.reservation_id = u.id AND l.held;
+        WHERE l.tenant_id = p_tenant AND l.reservation_id = ANY (t_ids) AND l.held;
         INSERT INTO stock_movement (tenant_id, bucket_id, kind, quantity, reservation_id,
                                     line_no, reason)
         SELECT p_tenant, p_bucket, CASE WHEN k = 'claim' THEN 'sale' ELSE 'restore' END,
@@ -513,7 +518,8 @@ BEGIN
             released_at = CASE WHEN u.k = 'release' THEN v_now ELSE r.released_at END,
             expired_at = CASE WHEN u.k = 'expire' THEN v_now ELSE r.expired_at END
         FROM unnest(t_ids, t_kinds) AS u(id, k)
-        WHERE r.tenant_id = p_tenant AND r.reservation_id = u.id;
+        WHERE r.tenant_id = p_tenant AND r.reservation_id = u.id
+          AND r.reservation_id = ANY (t_ids);
         INSERT INTO outbox_event (tenant_id, type, payload)
         SELECT p_tenant, CASE k WHEN 'claim' THEN 'reservation.claimed'
                                 WHEN 'expire' THEN 'reservation.expired'

@@ -39,6 +39,7 @@ DECLARE
     v_view jsonb;
     v_short jsonb := '[]'::jsonb;
     v_changed boolean := false;
+    v_held boolean;
     v_next integer;
     v_unit_buckets bigint[] := '{}';
     v_unit_ids bigint[] := '{}';
@@ -50,15 +51,15 @@ BEGIN
     END IF;
 
     v_res := reservation_lock_v1(p_tenant, p_id);
-    v_now := coalesce(p_now, clock_timestamp());  -- after the lock waits
     IF v_res.status = 'claimed' THEN
         RAISE EXCEPTION 'reservation % was claimed', p_id USING ERRCODE = 'PR424';
     ELSIF v_res.status = 'released' THEN
         RAISE EXCEPTION 'reservation % was released', p_id USING ERRCODE = 'PR423';
     END IF;
     -- Its lines, locked; one given up by a reserve after it expired: expired.
-    IF NOT reservation_lines_held_v1(p_tenant, p_id)
-       OR v_res.status <> 'active' OR v_res.expires_at <= v_now THEN
+    v_held := reservation_lines_held_v1(p_tenant, p_id);
+    v_now := coalesce(p_now, clock_timestamp());  -- after the lock waits, the lines' too
+    IF NOT v_held OR v_res.status <> 'active' OR v_res.expires_at <= v_now THEN
         RAISE EXCEPTION 'reservation % is not active', p_id USING ERRCODE = 'PR426',
             DETAIL = 'expired';
     END IF;
@@ -206,14 +207,26 @@ BEGIN
                 END IF;
             END IF;
         END LOOP;
+        -- A take that waited judges expiry when it decides: if the reservation had
+        -- expired by then, the take gave this reservation's own lines up (its lines
+        -- are locked by this transaction, so nothing else can have): the change came
+        -- too late, and nothing of it stays.
+        IF EXISTS (SELECT 1 FROM reservation_line
+                   WHERE tenant_id = p_tenant AND reservation_id = p_id AND NOT held) THEN
+            RAISE EXCEPTION 'reservation % is not active', p_id USING ERRCODE = 'PR426',
+                DETAIL = 'expired';
+        END IF;
         IF v_short <> '[]'::jsonb THEN
-            -- undo every write of the change (the locks on what it only read stay)
+            -- undo every write of the change (and the row locks taken inside the
+            -- block: those before it, the reservation's and its lines', stay)
             RAISE EXCEPTION 'short' USING ERRCODE = 'PRC01';
         END IF;
         IF v_unit_ids <> '{}' THEN
             DELETE FROM stock_unit u
             USING unnest(v_unit_buckets, v_unit_ids) AS k(bucket, unit)
-            WHERE u.tenant_id = p_tenant AND u.bucket_id = k.bucket AND u.unit_id = k.unit;
+            WHERE u.tenant_id = p_tenant AND u.bucket_id = k.bucket AND u.unit_id = k.unit
+              -- (as index conditions too: a join alone read the tenant's whole pool)
+              AND u.bucket_id = ANY (v_unit_buckets) AND u.unit_id = ANY (v_unit_ids);
         END IF;
     EXCEPTION WHEN SQLSTATE 'PRC01' THEN
         v_outcome := jsonb_build_object('status', 'rejected', 'reason', 'insufficient_stock',

@@ -298,7 +298,9 @@ BEGIN
         IF v_unit_ids <> '{}' THEN
             DELETE FROM stock_unit u
             USING unnest(v_unit_buckets, v_unit_ids) AS k(bucket, unit)
-            WHERE u.tenant_id = p_tenant AND u.bucket_id = k.bucket AND u.unit_id = k.unit;
+            WHERE u.tenant_id = p_tenant AND u.bucket_id = k.bucket AND u.unit_id = k.unit
+              -- (as index conditions too: a join alone read the tenant's whole pool)
+              AND u.bucket_id = ANY (v_unit_buckets) AND u.unit_id = ANY (v_unit_ids);
         END IF;
         v_id := gen_random_uuid();
         -- The same document reservation_view_v1 would read back, built from
@@ -522,13 +524,14 @@ AS $$
 DECLARE
     v_now timestamptz;
     v_res reservation;
+    v_held boolean;
 BEGIN
     v_res := reservation_lock_v1(p_tenant, p_id);
-    -- Judged after the lock waits, on the lines too: a reserve may have given
-    -- up this reservation's lines once it expired while this extend waited.
+    -- Judged after the lock waits, the lines' too, and on the lines: a reserve may
+    -- have given up this reservation's lines once it expired while this extend waited.
+    v_held := reservation_lines_held_v1(p_tenant, p_id);
     v_now := coalesce(p_now, clock_timestamp());
-    IF v_res.status <> 'active' OR v_res.expires_at <= v_now
-       OR NOT reservation_lines_held_v1(p_tenant, p_id) THEN
+    IF v_res.status <> 'active' OR v_res.expires_at <= v_now OR NOT v_held THEN
         RAISE EXCEPTION 'reservation % is not active', p_id USING ERRCODE = 'PR426',
             DETAIL = CASE WHEN v_res.status = 'active' THEN 'expired' ELSE v_res.status END;
     END IF;
@@ -587,7 +590,8 @@ BEGIN
             JOIN reservation_line l
               ON l.tenant_id = r.tenant_id AND l.reservation_id = r.reservation_id
             JOIN stock_bucket b ON b.tenant_id = l.tenant_id AND b.bucket_id = l.bucket_id
-            WHERE l.held
+            -- (the arrays again as index conditions: a young plan hashed every held line)
+            WHERE l.held AND l.tenant_id = ANY (v_tenants) AND l.reservation_id = ANY (v_ids)
             ORDER BY l.tenant_id, b.sku COLLATE "C", b.location COLLATE "C", l.reservation_id,
                      l.line_no
             FOR UPDATE OF l
@@ -619,7 +623,8 @@ BEGIN
     END LOOP;
     UPDATE reservation r SET status = 'expired', expired_at = v_now
     FROM unnest(v_tenants, v_ids) AS d(tenant_id, reservation_id)
-    WHERE r.tenant_id = d.tenant_id AND r.reservation_id = d.reservation_id;
+    WHERE r.tenant_id = d.tenant_id AND r.reservation_id = d.reservation_id
+      AND r.tenant_id = ANY (v_tenants) AND r.reservation_id = ANY (v_ids);
     INSERT INTO outbox_event (tenant_id, type, payload)
     SELECT d.tenant_id, 'reservation.expired',
            reservation_view_v1(d.tenant_id, d.reservation_id, v_now)
