@@ -264,3 +264,29 @@ async def test_two_sweepers_expire_each_hold_once(dsn: str, strategy: str) -> No
         view = await service.get_stock(tenant.id, "s", "w")
         assert (view.on_hand, view.reserved, view.available) == (1000, 0, 1000)
         assert await sweeper.invariant_violations() == []
+
+
+@pytest.mark.parametrize("batching", [True, False], ids=["batched", "unbatched"])
+@pytest.mark.parametrize(("first", "second"), [("claim", "release"), ("release", "claim")])
+async def test_a_key_sent_with_two_operations_at_once_is_reused_not_refused(
+        dsn: str, db: Database, tenant: Tenant, first: str, second: str,
+        batching: bool) -> None:
+    """One request key sent with a claim and a release of one reservation at once (the
+    first paused before its commit): the second is answered as it would be once the first
+    is stored, idempotency_key_reused, not with the state the first left (before, it
+    waited only for the reservation's lock, not the key's, and was answered claimed or
+    released)."""
+    service = ReservationService(db, batching=batching)
+    await service.set_stock(tenant.id, "a", "w", 4)
+    held = (await service.reserve(tenant.id, "r1", [("a", "w", 1)])).reservation
+    assert held is not None
+    fingerprint = digest(first, {"id": held.id})
+    with psycopg.connect(dsn) as paused:
+        paused.execute("SELECT transition_keyed_v2(%s, 'k', %s, %s, %s, NULL, false)",
+                       (tenant.id, first, fingerprint, held.id))
+        run = service.claim if second == "claim" else service.release
+        racing = asyncio.create_task(run(tenant.id, held.id, request_key="k"))
+        await wait_until_blocked(dsn)
+        paused.commit()
+    with pytest.raises(IdempotencyKeyReused):
+        await racing

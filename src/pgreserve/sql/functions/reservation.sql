@@ -651,6 +651,11 @@ DECLARE
     v_view jsonb;
     v_outcome jsonb;
 BEGIN
+    -- one key's requests one after another, first in the lock order, as a reserve's
+    -- and a batch's: a request sent with the key while another runs is answered
+    -- from what that one stores (its replay, or the key reused), never from the
+    -- state it left the reservation in
+    PERFORM pg_advisory_xact_lock(hashtextextended(p_key, p_tenant));
     v_replay := ledger_check_v1(p_tenant, p_key, p_operation, p_digest);
     IF v_replay IS NOT NULL THEN
         RETURN v_replay;
