@@ -105,7 +105,11 @@ async def test_bad_path_names_are_422(api: ApiTenant) -> None:
 async def test_bad_event_queries_are_422(api: ApiTenant) -> None:
     """Malformed cursors and limits are 422."""
     for query in ["after=abc", "after=1-", "limit=0", "limit=1001", "limit=x",
-                  "after=99999999999999999999-1"]:
+                  "after=99999999999999999999-1",
+                  # past every bigint, though 19 digits: no cursor the endpoint returns
+                  "after=9999999999999999999-1", "after=1-9223372036854775808",
+                  # digits of another script (the published pattern means ASCII)
+                  "after=\uff11-1", "after=1-\u0661"]:
         assert_problem(await api.client.get(f"/v1/events?{query}"), 422, "invalid_request")
 
 

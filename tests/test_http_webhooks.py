@@ -21,6 +21,9 @@ async def test_register_list_delete(api: ApiTenant) -> None:
     listed = (await api.client.get("/v1/webhooks")).json()["webhooks"]
     assert [w["id"] for w in listed] == [doc["id"]]
     assert "secret" not in listed[0]
+    # the 201 shows the delivery state the list shows (due at once), secret aside
+    assert doc["next_attempt_at"] is not None
+    assert {k: v for k, v in doc.items() if k != "secret"} == listed[0]
     assert (await api.client.delete(f"/v1/webhooks/{doc['id']}")).status_code == 204
     assert (await api.client.get("/v1/webhooks")).json() == {"webhooks": []}
     assert_problem(await api.client.delete(f"/v1/webhooks/{doc['id']}"), 404,
@@ -41,7 +44,11 @@ async def test_bad_webhook_urls_are_422(api: ApiTenant) -> None:
     """Only absolute http(s) URLs with a host, up to 2000 characters, are accepted."""
     for url in ["ftp://example.com/x", "javascript:alert(1)", "file:///etc/passwd",
                 "example.com/hook", "http://", "https://exa mple.com/", "http://h:99999/",
-                "https://example.com/" + "a" * 2000, "", "http://a\u0000b/"]:
+                "https://example.com/" + "a" * 2000, "", "http://a\u0000b/",
+                # host names no resolver or client takes: an empty label, a label over
+                # 63 characters, over 253 characters in all
+                "https://shop..example.com/hook", "https://.example.com/",
+                f"https://{'a' * 64}.example.com/", "https://" + "a." * 127 + "com/"]:
         resp = await api.client.post("/v1/webhooks", json={"url": url})
         assert_problem(resp, 422, "invalid_request")
     for body in [{}, {"url": 5}, {"url": "https://x.example", "extra": 1}]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import time
@@ -11,6 +12,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import psycopg
+import pytest
 import pytest_asyncio
 from aiohttp import web
 
@@ -270,3 +272,71 @@ async def test_deleted_endpoint_gets_nothing_more(dsn: str, service: Reservation
     assert await service.webhooks(tenant.id) == []
     with psycopg.connect(dsn) as conn:
         assert conn.execute("SELECT count(*) FROM webhook_delivery").fetchone() == (0,)
+
+
+async def test_an_endpoint_the_client_cannot_send_to_is_a_failed_attempt(
+        dsn: str, service: ReservationService, tenant: Tenant) -> None:
+    """An endpoint stored with a host name the HTTP client refuses (an empty label, as
+    registration accepted before it refused them) is a failed attempt like any other:
+    attempts and last_error recorded, the next attempt after the backoff. Before, the
+    delivery task died holding its lease: nothing recorded, retried at each lease end."""
+    hook = await service.add_webhook(tenant.id, "https://shop.example.com/hook")
+    with psycopg.connect(dsn) as conn:
+        conn.execute("UPDATE webhook_endpoint SET url = 'https://shop..example.com/hook'"
+                     " WHERE tenant_id = %s AND endpoint_id = %s", (tenant.id, hook.id))
+    await make_events(service, tenant.id, 1)
+    async with workers(service):
+        await until(lambda: False, timeout_s=0.5)
+        state = {w.id: w for w in await service.webhooks(tenant.id)}[hook.id]
+    assert state.delivered == 0 and state.attempts >= 2
+    assert state.last_error is not None and "idna" in state.last_error.lower()
+    assert state.next_attempt_at is not None and state.last_attempt_at is not None
+
+
+async def test_one_tenants_hanging_endpoints_leave_slots_to_the_others(
+        service: ReservationService, tenant: Tenant) -> None:
+    """A tenant's endpoints that take the connection and never answer hold at most its
+    share of a worker's slots (here 2 of 4): another tenant's endpoint is delivered to
+    while they all still hang. Before, six hanging endpoints took every slot until their
+    timeout, and the other tenant waited for them."""
+    release = asyncio.Event()
+    hanging: list[str] = []
+
+    async def hang(request: web.Request) -> web.Response:
+        hanging.append(request.path)
+        await release.wait()
+        return web.Response(status=200)
+
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", hang)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    slow = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    other = await service.create_tenant("other")
+    config = dataclasses.replace(FAST, timeout_s=60.0, lease_s=121.0, concurrency=4,
+                                 per_tenant=2)
+    try:
+        async with receiver() as rec:
+            for i in range(6):
+                await service.add_webhook(tenant.id, f"{slow}/hang{i}")
+            await make_events(service, tenant.id, 1)
+            await service.add_webhook(other.id, rec.url + "/hook")
+            async with workers(service, config=config):
+                await until(lambda: len(hanging) >= 2)
+                await make_events(service, other.id, 1)
+                await until(lambda: len(rec.ok()) >= 2)  # stock.changed, reservation.created
+                assert len(rec.ok()) >= 2
+                assert len(hanging) == 2  # the share; the other four wait their turn
+                release.set()
+    finally:
+        release.set()
+        await runner.cleanup()
+
+
+def test_a_tenant_share_is_within_the_slots() -> None:
+    assert WebhookConfig().tenant_share == 8
+    assert WebhookConfig(concurrency=1).tenant_share == 1
+    with pytest.raises(ValueError, match="per_tenant"):
+        WebhookConfig(concurrency=4, per_tenant=5)

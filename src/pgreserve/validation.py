@@ -339,4 +339,18 @@ def webhook_url(value: Any) -> str:
             ipaddress.IPv6Address(host)
     except ValueError:
         raise InvalidRequest("url has a malformed IPv6 address", field="url") from None
+    if ":" not in host and not _host_name(host):
+        raise InvalidRequest("url has a malformed host name (an empty label, a label over "
+                             "63 characters, or over 253 in all)", field="url")
     return value
+
+
+def _host_name(host: str) -> bool:
+    """A host name a resolver and an HTTP client can take: labels of 1 to 63 characters
+    (once IDNA-encoded), at most 253 in all, one trailing dot allowed."""
+    try:
+        encoded = host.encode("idna")
+    except UnicodeError:  # an empty label, or one over 63 characters
+        return False
+    name = encoded[:-1] if encoded.endswith(b".") else encoded
+    return 0 < len(name) <= 253 and all(name.split(b"."))

@@ -1043,7 +1043,9 @@ class ReservationService:
         secret = WEBHOOK_SECRET_PREFIX + secrets.token_urlsafe(32)
         doc = await self.db.call(queries["webhook_register"], (tenant, url, secret),
                                  op=OPS["webhook_register"])
+        due = doc.get("next_attempt_at")  # (absent from a function older than this release)
         return Webhook(int(doc["id"]), str(doc["url"]), datetime.fromisoformat(doc["created_at"]),
+                       next_attempt_at=None if due is None else datetime.fromisoformat(due),
                        secret=secret)
 
     async def webhooks(self, tenant: int) -> list[Webhook]:

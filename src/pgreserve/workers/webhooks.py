@@ -28,6 +28,7 @@ import json
 import logging
 import socket
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -84,6 +85,9 @@ class WebhookConfig:
     backoff_cap_s: float = 600.0
     idle_poll_s: float = 1.0  # an endpoint with nothing to send is looked at again after this
     concurrency: int = 16  # endpoints one worker delivers to at the same time
+    # at most this many of them of one tenant (None: half of concurrency, at least 1):
+    # a tenant's hanging endpoints leave the other slots to other tenants
+    per_tenant: int | None = None
     events_per_claim: int = 100  # then the endpoint goes back in the queue
     loop: LoopConfig = field(default_factory=lambda: LoopConfig(interval_s=0.5))
     # send to loopback, private and other non-public addresses too (local
@@ -103,6 +107,13 @@ class WebhookConfig:
             raise ValueError("concurrency must be between 1 and 1000")
         if not 1 <= self.events_per_claim <= 10_000:
             raise ValueError("events_per_claim must be between 1 and 10000")
+        if self.per_tenant is not None and not 1 <= self.per_tenant <= self.concurrency:
+            raise ValueError("per_tenant must be between 1 and concurrency")
+
+    @property
+    def tenant_share(self) -> int:
+        """Endpoints of one tenant one worker delivers to at the same time, at most."""
+        return self.per_tenant if self.per_tenant is not None else max(1, self.concurrency // 2)
 
 
 class AddressRefused(OSError):
@@ -206,8 +217,11 @@ class WebhookDeliverer:
         return total
 
     async def _claim(self, limit: int) -> list[Claim]:
+        busy = Counter(claim.tenant for claim in self._inflight.values())
         docs = await self.service.db.call(queries["webhook_lease"],
-                                          (limit, timedelta(seconds=self.config.lease_s)),
+                                          (limit, timedelta(seconds=self.config.lease_s),
+                                           self.config.tenant_share, list(busy),
+                                           list(busy.values())),
                                           op=OPS["webhook_lease"])
         return [Claim.from_json(d) for d in docs]
 
@@ -288,7 +302,9 @@ class WebhookDeliverer:
             if isinstance(exc.os_error, AddressRefused):
                 return f"refused, not sent: {exc.os_error.strerror}"[:1000]
             return f"{type(exc).__name__}: {exc}"[:1000]
-        except aiohttp.ClientError as exc:
+        except (aiohttp.ClientError, ValueError) as exc:
+            # (ValueError: a URL the client cannot send to, say a host name IDNA refuses,
+            # registered before such names were refused: a failed attempt, with backoff)
             return f"{type(exc).__name__}: {exc}"[:1000]
 
 

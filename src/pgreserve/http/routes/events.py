@@ -16,19 +16,22 @@ from ..responses import COMMON, json_response
 
 router = APIRouter(tags=["events"])
 
-CURSOR = re.compile(r"^(\d{1,19})-(\d{1,19})$")
+# ASCII digits only (\d would take any script's digits, which the published pattern,
+# read by JSON Schema clients, does not)
+CURSOR = re.compile(r"^([0-9]{1,19})-([0-9]{1,19})$")
+BIGINT = 2**63 - 1
 
 
 def cursor_position(after: str | None) -> tuple[int, int] | None:
     """The (commit, event) position of an `after` cursor; None for the start."""
     if not after:
         return None
-    match = CURSOR.match(after)
-    if not match:
+    match = CURSOR.fullmatch(after)
+    # (no cursor this endpoint returns is past a bigint)
+    if not match or int(match[1]) > BIGINT or int(match[2]) > BIGINT:
         raise errors.InvalidRequest("after must be a cursor returned by this endpoint",
                                     field="after")
-    # Positions beyond every bigint are past every event: clamp, answer empty.
-    return (min(int(match[1]), 2**63 - 1), min(int(match[2]), 2**63 - 1))
+    return int(match[1]), int(match[2])
 
 
 @router.get("/v1/events", response_model=EventsOut, responses=problems.responses(*COMMON),

@@ -8,6 +8,7 @@ DECLARE
     v_created timestamptz;
     v_xid xid8 := '0';
     v_event bigint := 0;
+    v_next timestamptz;
 BEGIN
     PERFORM 1 FROM tenant WHERE tenant_id = p_tenant;
     IF NOT FOUND THEN
@@ -19,8 +20,11 @@ BEGIN
     INSERT INTO webhook_endpoint (tenant_id, url, secret) VALUES (p_tenant, p_url, p_secret)
     RETURNING endpoint_id, created_at INTO v_id, v_created;
     INSERT INTO webhook_delivery (tenant_id, endpoint_id, cursor_xid, cursor_event_id)
-    VALUES (p_tenant, v_id, coalesce(v_xid, '0'), coalesce(v_event, 0));
-    RETURN jsonb_build_object('id', v_id, 'url', p_url, 'created_at', v_created);
+    VALUES (p_tenant, v_id, coalesce(v_xid, '0'), coalesce(v_event, 0))
+    RETURNING next_attempt_at INTO v_next;
+    -- (its delivery state as the list shows it: due now, nothing sent or tried yet)
+    RETURN jsonb_build_object('id', v_id, 'url', p_url, 'created_at', v_created,
+                              'next_attempt_at', v_next);
 END $$;
 
 -- Claim up to p_limit due endpoints for p_lease: each gets a new lease token.
@@ -37,6 +41,57 @@ BEGIN
          ORDER BY next_attempt_at
          LIMIT p_limit
          FOR UPDATE SKIP LOCKED
+    ), claimed AS (
+        UPDATE webhook_delivery d
+           SET lease_token = gen_random_uuid(), next_attempt_at = v_now + p_lease
+          FROM due
+         WHERE d.tenant_id = due.tenant_id AND d.endpoint_id = due.endpoint_id
+        RETURNING d.tenant_id, d.endpoint_id, d.lease_token, d.cursor_xid,
+                  d.cursor_event_id, d.attempts
+    )
+    SELECT coalesce(jsonb_agg(jsonb_build_object(
+               'tenant', c.tenant_id, 'endpoint', c.endpoint_id, 'token', c.lease_token,
+               'xid', c.cursor_xid::text::bigint, 'event_id', c.cursor_event_id,
+               'attempts', c.attempts, 'url', e.url, 'secret', e.secret)), '[]'::jsonb)
+      INTO v_out
+      FROM claimed c JOIN webhook_endpoint e USING (tenant_id, endpoint_id);
+    RETURN v_out;
+END $$;
+
+-- webhook_claim_v1 with a share per tenant: a worker delivering to p_busy_counts[i]
+-- endpoints of tenant p_busy_tenants[i] claims no more of that tenant's than brings
+-- it to p_per_tenant, so endpoints that hang (each holding a delivery slot until its
+-- timeout) take at most that many of the worker's slots; other tenants' endpoints get
+-- the rest. Among the due endpoints, the longest due first.
+CREATE OR REPLACE FUNCTION webhook_claim_v2(p_limit integer, p_lease interval,
+                                            p_per_tenant integer, p_busy_tenants bigint[],
+                                            p_busy_counts integer[],
+                                            p_now timestamptz DEFAULT NULL)
+RETURNS jsonb LANGUAGE plpgsql AS $$
+DECLARE
+    v_now timestamptz := coalesce(p_now, clock_timestamp());
+    v_out jsonb;
+BEGIN
+    WITH busy AS (
+        SELECT b.tenant_id, sum(b.n)::integer AS n
+        FROM unnest(p_busy_tenants, p_busy_counts) AS b(tenant_id, n)
+        GROUP BY b.tenant_id
+    ), ranked AS (
+        SELECT d.tenant_id, d.endpoint_id, d.next_attempt_at,
+               coalesce(busy.n, 0)
+               + row_number() OVER (PARTITION BY d.tenant_id
+                                    ORDER BY d.next_attempt_at, d.endpoint_id) AS slot
+        FROM webhook_delivery d
+        LEFT JOIN busy ON busy.tenant_id = d.tenant_id
+        WHERE d.next_attempt_at <= v_now
+    ), due AS (
+        SELECT d.tenant_id, d.endpoint_id
+        FROM webhook_delivery d
+        JOIN ranked r ON r.tenant_id = d.tenant_id AND r.endpoint_id = d.endpoint_id
+        WHERE r.slot <= p_per_tenant AND d.next_attempt_at <= v_now
+        ORDER BY r.next_attempt_at
+        LIMIT p_limit
+        FOR UPDATE OF d SKIP LOCKED
     ), claimed AS (
         UPDATE webhook_delivery d
            SET lease_token = gen_random_uuid(), next_attempt_at = v_now + p_lease

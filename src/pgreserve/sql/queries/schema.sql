@@ -116,7 +116,7 @@ BEGIN
               'stock_set_v1', 'stock_set_v2', 'stock_set_v3', 'tenant_create_v1', 'tenant_create_v2',
               'tenant_require_v1', 'transition_keyed_v1', 'transition_keyed_v2',
               'webhook_advance_v1',
-              'webhook_claim_v1', 'webhook_fail_v1', 'webhook_register_v1',
+              'webhook_claim_v1', 'webhook_claim_v2', 'webhook_fail_v1', 'webhook_register_v1',
               'webhook_release_v1'])
     LOOP
         EXECUTE format('ALTER ROUTINE %s SET SCHEMA %I', r.signature, current_schema());

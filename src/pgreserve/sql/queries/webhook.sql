@@ -14,8 +14,9 @@ WITH d AS (DELETE FROM webhook_endpoint WHERE tenant_id = %s AND endpoint_id = %
  RETURNING 1) SELECT count(*) FROM d;
 
 -- name: webhook_lease
--- Due endpoints, claimed with SKIP LOCKED and leased for the given interval.
-SELECT webhook_claim_v1(%s, %s);
+-- Due endpoints, claimed with SKIP LOCKED and leased for the given interval, at most
+-- a share of the worker's slots per tenant (webhook.sql).
+SELECT webhook_claim_v2(%s, %s, %s, %s::bigint[], %s::integer[]);
 
 -- name: webhook_release
 SELECT webhook_release_v1(%s, %s, %s, %s);
