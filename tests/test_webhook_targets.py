@@ -17,7 +17,7 @@ from pgreserve.errors import WebhookUrlRefused
 from pgreserve.webhook_targets import ALLOW_PRIVATE_ENV, refusal
 from pgreserve.workers.webhooks import WebhookConfig
 from test_http_api import assert_problem
-from test_webhooks import FAST, make_events, receiver, until, workers
+from test_webhooks import FAST, make_events, receiver, serving, until, workers
 
 # (address class, URL host) for every class that must be refused.
 REFUSED = [
@@ -139,21 +139,12 @@ async def test_redirects_are_not_followed(service: ReservationService, tenant: T
         hit.append(request.path)
         raise web.HTTPFound(location="/inside")
 
-    app = web.Application()
-    app.router.add_post("/{tail:.*}", moved)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        port = runner.addresses[0][1]
+    async with serving(moved) as url:
         allowing = ReservationService(service.db, allow_private_webhooks=True)
-        await allowing.add_webhook(tenant.id, f"http://127.0.0.1:{port}/hook")
+        await allowing.add_webhook(tenant.id, f"{url}/hook")
         await make_events(allowing, tenant.id, 1)
         async with workers(allowing, config=FAST):
             await until(lambda: len(hit) >= 2)
         state = (await allowing.webhooks(tenant.id))[0]
-    finally:
-        await runner.cleanup()
     assert hit and set(hit) == {"/hook"}
     assert state.delivered == 0 and state.last_error == "HTTP 302"

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -80,20 +80,27 @@ class Receiver:
 
 
 @asynccontextmanager
-async def receiver(fail_first: int = 0) -> AsyncIterator[Receiver]:
-    rec = Receiver(fail_first=fail_first)
+async def serving(handler: Callable[[web.Request], Awaitable[web.Response]]
+                  ) -> AsyncIterator[str]:
+    """An HTTP server on 127.0.0.1 answering every POST with `handler`; yields its URL."""
     app = web.Application()
-    app.router.add_post("/{tail:.*}", rec.handle)
+    app.router.add_post("/{tail:.*}", handler)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = runner.addresses[0][1]
-    rec.url = f"http://127.0.0.1:{port}"
     try:
-        yield rec
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
     finally:
         await runner.cleanup()
+
+
+@asynccontextmanager
+async def receiver(fail_first: int = 0) -> AsyncIterator[Receiver]:
+    rec = Receiver(fail_first=fail_first)
+    async with serving(rec.handle) as url:
+        rec.url = url
+        yield rec
 
 
 @asynccontextmanager
@@ -307,18 +314,11 @@ async def test_one_tenants_hanging_endpoints_leave_slots_to_the_others(
         await release.wait()
         return web.Response(status=200)
 
-    app = web.Application()
-    app.router.add_post("/{tail:.*}", hang)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    slow = f"http://127.0.0.1:{runner.addresses[0][1]}"
     other = await service.create_tenant("other")
     config = dataclasses.replace(FAST, timeout_s=60.0, lease_s=121.0, concurrency=4,
                                  per_tenant=2)
     try:
-        async with receiver() as rec:
+        async with serving(hang) as slow, receiver() as rec:
             for i in range(6):
                 await service.add_webhook(tenant.id, f"{slow}/hang{i}")
             await make_events(service, tenant.id, 1)
@@ -331,8 +331,7 @@ async def test_one_tenants_hanging_endpoints_leave_slots_to_the_others(
                 assert len(hanging) == 2  # the share; the other four wait their turn
                 release.set()
     finally:
-        release.set()
-        await runner.cleanup()
+        release.set()  # (the server's cleanup waits for its handlers)
 
 
 def test_a_tenant_share_is_within_the_slots() -> None:

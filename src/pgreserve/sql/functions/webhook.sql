@@ -27,38 +27,8 @@ BEGIN
                               'next_attempt_at', v_next);
 END $$;
 
--- Claim up to p_limit due endpoints for p_lease: each gets a new lease token.
-CREATE OR REPLACE FUNCTION webhook_claim_v1(p_limit integer, p_lease interval,
-                                 p_now timestamptz DEFAULT NULL)
-RETURNS jsonb LANGUAGE plpgsql AS $$
-DECLARE
-    v_now timestamptz := coalesce(p_now, clock_timestamp());
-    v_out jsonb;
-BEGIN
-    WITH due AS (
-        SELECT tenant_id, endpoint_id FROM webhook_delivery
-         WHERE next_attempt_at <= v_now
-         ORDER BY next_attempt_at
-         LIMIT p_limit
-         FOR UPDATE SKIP LOCKED
-    ), claimed AS (
-        UPDATE webhook_delivery d
-           SET lease_token = gen_random_uuid(), next_attempt_at = v_now + p_lease
-          FROM due
-         WHERE d.tenant_id = due.tenant_id AND d.endpoint_id = due.endpoint_id
-        RETURNING d.tenant_id, d.endpoint_id, d.lease_token, d.cursor_xid,
-                  d.cursor_event_id, d.attempts
-    )
-    SELECT coalesce(jsonb_agg(jsonb_build_object(
-               'tenant', c.tenant_id, 'endpoint', c.endpoint_id, 'token', c.lease_token,
-               'xid', c.cursor_xid::text::bigint, 'event_id', c.cursor_event_id,
-               'attempts', c.attempts, 'url', e.url, 'secret', e.secret)), '[]'::jsonb)
-      INTO v_out
-      FROM claimed c JOIN webhook_endpoint e USING (tenant_id, endpoint_id);
-    RETURN v_out;
-END $$;
-
--- webhook_claim_v1 with a share per tenant: a worker delivering to p_busy_counts[i]
+-- Claim up to p_limit due endpoints for p_lease, each with a new lease token, with a
+-- share per tenant: a worker delivering to p_busy_counts[i]
 -- endpoints of tenant p_busy_tenants[i] claims no more of that tenant's than brings
 -- it to p_per_tenant, so endpoints that hang (each holding a delivery slot until its
 -- timeout) take at most that many of the worker's slots; other tenants' endpoints get
@@ -108,6 +78,13 @@ BEGIN
       FROM claimed c JOIN webhook_endpoint e USING (tenant_id, endpoint_id);
     RETURN v_out;
 END $$;
+
+-- (kept for processes of the previous release during an upgrade: no share per tenant)
+CREATE OR REPLACE FUNCTION webhook_claim_v1(p_limit integer, p_lease interval,
+                                            p_now timestamptz DEFAULT NULL)
+RETURNS jsonb LANGUAGE sql AS $$
+    SELECT webhook_claim_v2(p_limit, p_lease, p_limit, '{}', '{}', p_now)
+$$;
 
 -- The event after the cursor was acknowledged: move the cursor and renew the
 -- lease. False when the lease was lost (expired and claimed again, or the
