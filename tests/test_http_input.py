@@ -132,3 +132,22 @@ async def test_unknown_query_parameter_is_refused(api: ApiTenant) -> None:
     assert "afetr" in resp.json()["detail"]
     ok = await api.client.get("/v1/events?limit=5")
     assert ok.status_code == 200
+
+
+async def test_names_that_are_not_utf8_are_422_and_write_nothing(api: ApiTenant) -> None:
+    """A path or query whose percent-decoded bytes are not UTF-8 is refused: the server
+    hands such bytes on as U+FFFD, so `%E9` and `%E8` were one line and a count of one
+    overwrote the other. A name that is U+FFFD itself, sent as UTF-8, is a name."""
+    for method, url in [("PUT", "/v1/stock/w/%E9"), ("PUT", "/v1/stock/w/caf%E9"),
+                        ("PUT", "/v1/skus/%FF"), ("GET", "/v1/stock/w/%E9"),
+                        ("GET", "/v1/stock?sku=%E9"), ("GET", "/v1/requests/%FF"),
+                        ("POST", "/v1/reservations/%FF/claim"),
+                        ("POST", "/v1/reservations/%FF/release")]:
+        body = {"on_hand": 5} if url.startswith("/v1/stock/") else (
+            {"cart_limit": 3} if url.startswith("/v1/skus/") else None)
+        resp = await api.client.request(method, url, json=body,
+                                        headers={"Idempotency-Key": "k"})
+        assert_problem(resp, 422, "invalid_request")
+    assert (await api.client.get("/v1/stock")).json()["stock"] == []
+    created = await api.client.put("/v1/stock/w/%EF%BF%BD", json={"on_hand": 5})
+    assert created.status_code == 201 and created.json()["sku"] == "\ufffd"

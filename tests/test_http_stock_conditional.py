@@ -3,6 +3,8 @@ stock lines, the GET /v1/stock listing, and Location on every 201."""
 
 from __future__ import annotations
 
+import base64
+
 import httpx
 import pytest
 from fastapi import FastAPI
@@ -142,6 +144,15 @@ async def test_stock_listing_over_http(api: ApiTenant, other: ApiTenant) -> None
     assert len(prefixed.json()["stock"]) == 4 and prefixed.json()["next_cursor"] is None
     assert_problem(await api.client.get("/v1/stock", params={"cursor": "garbage"}), 400,
                    "invalid_cursor")
+    # a nesting deeper than the JSON parser goes (was a 500); a cursor handed out, then
+    # padded or with a line break (only what the listing hands out is taken)
+    deep = "s1." + base64.urlsafe_b64encode(b"[" * 3000).decode()
+    assert_problem(await api.client.get("/v1/stock", params={"cursor": deep}), 400,
+                   "invalid_cursor")
+    handed = (await api.client.get("/v1/stock", params={"limit": 1})).json()["next_cursor"]
+    for forged in (handed + "==", handed + "\n"):
+        assert_problem(await api.client.get("/v1/stock", params={"cursor": forged}), 400,
+                       "invalid_cursor")
     twice = await api.client.get("/v1/stock", params=[("sku_prefix", "a"), ("sku_prefix", "b")])
     assert_problem(twice, 422, "invalid_request")
     for limit in ("0", "1001", "x"):

@@ -4,7 +4,9 @@ in every reservation document, and the tenant's reservation listing with keyset 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import uuid
 from typing import Any
 
 import psycopg
@@ -497,6 +499,12 @@ async def test_http_reserve_with_reference_and_metadata_and_list_them(
     assert none.json() == {"reservations": [], "next_cursor": None}
 
 
+def _cursor(doc: list[str]) -> str:
+    """A reservation cursor of this shape, as a client could forge it."""
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    return "r1." + base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
 @pytest.mark.parametrize(("params", "status", "code"), [
     ({"limit": "0"}, 422, "invalid_request"),
     ({"limit": "201"}, 422, "invalid_request"),
@@ -506,6 +514,14 @@ async def test_http_reserve_with_reference_and_metadata_and_list_them(
     ([("cart", "a"), ("cart", "b")], 422, "invalid_request"),
     ({"cart": ""}, 422, "invalid_request"),
     ({"cursor": "r1.garbage"}, 400, "invalid_cursor"),
+    # well-formed but not handed out: an offset PostgreSQL refuses (was a 500), a
+    # nesting deeper than the JSON parser goes (was a 500), another spelling of an id
+    ({"cursor": _cursor(["2020-01-01T00:00:00+16:00", str(uuid.UUID(int=0))])}, 400,
+     "invalid_cursor"),
+    ({"cursor": "r1." + base64.urlsafe_b64encode(b"[" * 3000).decode()}, 400,
+     "invalid_cursor"),
+    ({"cursor": _cursor(["2020-01-01T00:00:00+00:00", uuid.UUID(int=0).hex])}, 400,
+     "invalid_cursor"),
 ])
 async def test_http_bad_listing_parameters_are_typed_problems(
         api: ApiTenant, params: Any, status: int, code: str) -> None:

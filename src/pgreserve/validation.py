@@ -318,8 +318,11 @@ _IPV6 = "(" + "|".join([
     rf"{_before(5)}::{_H16}",
     rf"{_before(6)}::",
 ]) + ")"
+# a host name's labels: 1 to 63 characters each, one dot between two (a trailing dot
+# allowed); no resolver takes an empty label (shop..example.com) or a longer one
+_LABEL = rf"[^{_NOSPACE}/?#@:\[\].]{{1,63}}"
 URL_PATTERN = (rf"^[Hh][Tt][Tt][Pp][Ss]?://([^{_NOSPACE}/?#@\[\]]+@)?"
-               rf"([^{_NOSPACE}/?#@:\[\]]+|\[{_IPV6}\])(:{_PORT})?"
+               rf"({_LABEL}(\.{_LABEL})*\.?|\[{_IPV6}\])(:{_PORT})?"
                rf"([/?#][^{_NOSPACE}]*)?$")
 _URL = re.compile(URL_PATTERN)
 
@@ -331,26 +334,12 @@ def webhook_url(value: Any) -> str:
     if len(value) > MAX_URL:
         raise InvalidRequest(f"url must be at most {MAX_URL} characters", field="url")
     if not _URL.fullmatch(value):
-        raise InvalidRequest("url must be an http:// or https:// URL with a host (and no "
-                             "spaces)", field="url")
+        raise InvalidRequest("url must be an http:// or https:// URL with a host (labels "
+                             "of 1 to 63 characters, and no spaces)", field="url")
     try:
         host = urlsplit(value).hostname or ""
         if ":" in host:
             ipaddress.IPv6Address(host)
     except ValueError:
         raise InvalidRequest("url has a malformed IPv6 address", field="url") from None
-    if ":" not in host and not _host_name(host):
-        raise InvalidRequest("url has a malformed host name (an empty label, a label over "
-                             "63 characters, or over 253 in all)", field="url")
     return value
-
-
-def _host_name(host: str) -> bool:
-    """A host name a resolver and an HTTP client can take: labels of 1 to 63 characters
-    (once IDNA-encoded), at most 253 in all, one trailing dot allowed."""
-    try:
-        encoded = host.encode("idna")
-    except UnicodeError:  # an empty label, or one over 63 characters
-        return False
-    name = encoded[:-1] if encoded.endswith(b".") else encoded
-    return 0 < len(name) <= 253 and all(name.split(b"."))

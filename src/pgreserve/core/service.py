@@ -217,10 +217,11 @@ def stock_cursor_position(cursor: str) -> tuple[str, str]:
     body = cursor[len(_CURSOR_PREFIX):]
     try:
         doc = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode())
-    except (ValueError, binascii.Error, UnicodeDecodeError):
+    except (ValueError, binascii.Error, UnicodeDecodeError, RecursionError):
         raise bad from None
+    # only what stock_cursor makes, byte for byte (no other padding, spacing or escapes)
     if (not isinstance(doc, list) or len(doc) != 2
-            or not all(isinstance(x, str) for x in doc)):
+            or not all(isinstance(x, str) for x in doc) or stock_cursor(*doc) != cursor):
         raise bad
     try:
         return check.name(doc[0], "sku"), check.name(doc[1], "location")
@@ -257,11 +258,13 @@ def reservation_cursor_position(cursor: Any) -> tuple[datetime, uuid.UUID]:
                 or not all(isinstance(x, str) for x in doc)):
             raise bad
         created_at, rid = datetime.fromisoformat(doc[0]), uuid.UUID(doc[1])
-    except (ValueError, binascii.Error, UnicodeDecodeError):
+        # only what reservation_cursor makes, byte for byte; then as UTC (the database
+        # takes offsets up to 15:59 only, Python's up to 23:59)
+        if created_at.tzinfo is None or reservation_cursor(created_at, rid) != cursor:
+            raise bad
+        return created_at.astimezone(UTC), rid
+    except (ValueError, binascii.Error, UnicodeDecodeError, RecursionError, OverflowError):
         raise bad from None
-    if created_at.tzinfo is None:
-        raise bad
-    return created_at, rid
 
 
 def reservation_statuses(values: Any) -> list[str] | None:

@@ -32,7 +32,7 @@ from ..ops.pgbouncer import PgBouncerMonitor
 from ..rollout import Rollout
 from . import docs, problems
 from .admission import DEFAULT_REQUEST_DEADLINE_S, Admission, TenantLimit, check_deadline
-from .dependencies import ApiKeyCache, InFlight, known_query_only
+from .dependencies import ApiKeyCache, InFlight, known_query_only, utf8_only
 from .exception_handlers import EXCEPTION_HANDLERS
 from .fastpath import FastPath
 from .gc_tuning import threshold_from_env, tune_gc
@@ -295,7 +295,7 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
         title="pgreserve",
         version="1",
         summary="Inventory reservations (holds, claims, releases, expiry) that never oversell.",
-        dependencies=[Depends(known_query_only)],
+        dependencies=[Depends(utf8_only), Depends(known_query_only)],
         exception_handlers=EXCEPTION_HANDLERS,
         generate_unique_id_function=operation_id,
         docs_url=None, redoc_url=None,  # docs.py serves them from the package, offline

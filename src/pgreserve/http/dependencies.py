@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, MutableMapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any
+from urllib.parse import unquote_to_bytes
 
 from fastapi import Depends, Header, Path, Request
 from fastapi.routing import APIRoute
@@ -338,6 +339,32 @@ async def holds_dependency(request: Request) -> ReservationService | Rollout:
 
 # The query parameters a route declares, found once and kept on the route.
 _DECLARED = "_pgreserve_query_params"
+
+
+def utf8_target(scope: MutableMapping[str, Any]) -> bool:
+    """Whether the request's path and query string are UTF-8 once percent-decoded. The
+    server hands undecodable bytes on as U+FFFD, so without this check `%E9` and `%E8`
+    would both name the line "\ufffd", and a write to one would overwrite the other."""
+    raw = scope.get("raw_path")
+    if raw is not None and "\ufffd" in str(scope.get("path", "")):
+        try:
+            unquote_to_bytes(raw).decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+    query = scope.get("query_string") or b""
+    if b"%" in query:
+        try:
+            unquote_to_bytes(query).decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+    return True
+
+
+async def utf8_only(request: Request) -> None:
+    """Refuse a path or query string that is not UTF-8 once percent-decoded (utf8_target)."""
+    if not utf8_target(request.scope):
+        raise errors.InvalidRequest("the request's path or query string is not UTF-8 once "
+                                    "percent-decoded", field="path")
 
 
 async def known_query_only(request: Request) -> None:

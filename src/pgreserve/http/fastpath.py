@@ -45,6 +45,7 @@ from .dependencies import (
     authenticate_in_batch,
     refused_in_batch,
     request_key,
+    utf8_target,
 )
 from .middleware import ASGIApp, Receive, Scope, Send, replaying
 from .models import MAX_TTL_SECONDS
@@ -139,6 +140,9 @@ class FastPath:
             await self.app(scope, receive, send)
             return
         path = route_path(scope)
+        if "\ufffd" in path and not utf8_target(scope):  # the app answers it (422)
+            await self.app(scope, receive, send)
+            return
         operation: str | None = None
         reservation_id = ""
         if path != PREFIX:
