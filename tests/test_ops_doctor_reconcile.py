@@ -169,6 +169,39 @@ async def test_reconcile_repair_expires_overdue_holds_only(service: ReservationS
     assert reconcile(dsn).drifts[0].kind == "ledger_mismatch"
 
 
+async def test_reconcile_repair_of_one_tenant_expires_its_overdue_holds_only(
+        service: ReservationService, tenant: Tenant, dsn: str) -> None:
+    """`reconcile --tenant N --repair` expires tenant N's holds overdue past the grace,
+    and no other: another tenant's overdue hold, and N's hold due within the grace, stay
+    active (before, the repair ran the sweeper over every tenant and every due hold)."""
+    other = await service.create_tenant("other")
+    for t in (tenant, other):
+        await service.set_stock(t.id, "s", "wh", 10)
+    mine = await held(service, tenant, "k1", "s", 4)
+    recent = await held(service, tenant, "k2", "s", 1)
+    theirs = await held(service, other, "k1", "s", 4)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("UPDATE reservation SET created_at = now() - interval '2 hours',"
+                     " expires_at = now() - interval '1 hour' WHERE reservation_id <> %s",
+                     (recent,))
+        conn.execute("UPDATE reservation SET created_at = now() - interval '2 hours',"
+                     " expires_at = now() - interval '10 seconds' WHERE reservation_id = %s",
+                     (recent,))
+        conn.execute("UPDATE reservation_line l SET expires_at = r.expires_at"
+                     " FROM reservation r WHERE (r.tenant_id, r.reservation_id)"
+                     " = (l.tenant_id, l.reservation_id)")
+    out = CliRunner().invoke(main, ["reconcile", "--tenant", str(tenant.id), "--repair",
+                                    "--grace-seconds", "60", "--database-url", dsn])
+    assert out.exit_code == 0, out.output
+    assert "repaired: expired 1 overdue reservation(s)" in out.output
+    # (the rows' status: a read shows any hold past its expiry as expired)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows: dict[str, str] = dict(conn.execute("SELECT reservation_id::text, status FROM reservation"
+                                 ).fetchall())
+    assert (rows[str(mine)], rows[str(recent)], rows[str(theirs)]) == (
+        "expired", "active", "active")
+
+
 def test_doctor_checks_slow_statement_and_lock_wait_logging(dsn: str) -> None:
     """doctor reports log_min_duration_statement (ok at the design's 200ms; warn when
     disabled, logging everything, or above 200ms) and log_lock_waits (fail when off), as

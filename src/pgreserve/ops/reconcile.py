@@ -83,7 +83,7 @@ def reconcile(dsn: str, *, tenant: int | None = None, grace_s: float = 60.0,
     where = schemas.resolve(schema)
     result = _check(dsn, tenant, grace_s, where)
     if repair and any(d.repairable for d in result.drifts):
-        done = _repair(dsn, result, where)
+        done = _repair(dsn, result, where, tenant, grace_s)
         result = _check(dsn, tenant, grace_s, where)
         result.repaired = done
     if freeze:
@@ -183,22 +183,24 @@ def _check(dsn: str, tenant: int | None, grace_s: float, where: str) -> Reconcil
     return out
 
 
-def _repair(dsn: str, found: Reconciliation, where: str) -> list[str]:
-    """Expire overdue reservations through expire_due_v1, the sweeper's own function."""
+def _repair(dsn: str, found: Reconciliation, where: str, tenant: int | None,
+            grace_s: float) -> list[str]:
+    """Expire the overdue reservations the check lists (of `tenant`, or every one; past
+    the grace) through expire_due_v2, the sweeper's own function."""
     done: list[str] = []
     overdue = sum(1 for d in found.drifts if d.kind == "expired_but_active")
     with psycopg.connect(dsn, autocommit=True, application_name="pgreserve:reconcile") as conn:
         total = 0
         for _ in range(max(1, overdue // 500 + 2)):  # bounded: one batch more than needed
             with schemas.transaction(conn, where):
-                row = conn.execute(tagged(queries["reservation_expire_overdue"],
-                                          REPAIR)).fetchone()
+                row = conn.execute(tagged(queries["reservation_expire_overdue"], REPAIR),
+                                   {"tenant": tenant, "grace": grace_s}).fetchone()
             n = int(row[0]) if row else 0
             total += n
             if n < 500:
                 break
         if total:
-            msg = f"expired {total} overdue reservation(s) through expire_due_v1"
+            msg = f"expired {total} overdue reservation(s) through expire_due_v2"
             log.warning("reconcile repair: %s", msg)
             done.append(msg)
     return done

@@ -561,8 +561,11 @@ RETURNS jsonb LANGUAGE sql AS $$ SELECT extend_v2(p_tenant, p_id, p_ttl, true, p
 -- held lines are then locked and their buckets written in one order for the
 -- whole batch, (tenant, sku, location), the order carts take buckets in: a
 -- batch of many reservations never holds one bucket while waiting for an
--- earlier one.
-CREATE OR REPLACE FUNCTION expire_due_v1(p_batch integer, p_now timestamptz DEFAULT NULL)
+-- earlier one. `p_tenant` (NULL: every tenant) and `p_before` (NULL: now) narrow the
+-- reservations expired to one tenant's, due before that instant (reconcile's repair).
+CREATE OR REPLACE FUNCTION expire_due_v2(p_batch integer, p_now timestamptz DEFAULT NULL,
+                                         p_tenant bigint DEFAULT NULL,
+                                         p_before timestamptz DEFAULT NULL)
 RETURNS integer LANGUAGE plpgsql
 SET plan_cache_mode = force_generic_plan
 SET enable_seqscan = off
@@ -575,7 +578,8 @@ DECLARE
 BEGIN
     SELECT array_agg(tenant_id), array_agg(reservation_id) INTO v_tenants, v_ids
     FROM (SELECT tenant_id, reservation_id FROM reservation
-          WHERE status = 'active' AND expires_at <= v_now
+          WHERE status = 'active' AND expires_at <= least(v_now, coalesce(p_before, v_now))
+            AND (p_tenant IS NULL OR tenant_id = p_tenant)
           ORDER BY expires_at
           LIMIT p_batch
           FOR UPDATE SKIP LOCKED) due;
@@ -632,6 +636,10 @@ BEGIN
     ORDER BY d.n;
     RETURN cardinality(v_ids);
 END $$;
+
+-- The sweeper's call (every tenant, whatever is due now)
+CREATE OR REPLACE FUNCTION expire_due_v1(p_batch integer, p_now timestamptz DEFAULT NULL)
+RETURNS integer LANGUAGE sql AS $$ SELECT expire_due_v2(p_batch, p_now) $$;
 
 -- Claim, release or extend under a request key (the HTTP Idempotency-Key).
 -- The transition and its stored outcome commit together, so a repeat with the

@@ -51,5 +51,7 @@ WHERE status = 'active' AND expires_at < clock_timestamp() - %(grace)s * interva
 ORDER BY expires_at;
 
 -- name: reservation_expire_overdue
--- The repair: the sweeper's own function, one batch of 500, on the database clock.
-SELECT expire_due_v1(500, NULL);
+-- The repair: the sweeper's own function, one batch of 500, on the database clock, of
+-- the reservations the check lists (one tenant's, or all; past the grace) only.
+SELECT expire_due_v2(500, NULL, %(tenant)s::bigint,
+                     clock_timestamp() - %(grace)s * interval '1 second');

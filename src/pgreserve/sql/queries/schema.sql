@@ -101,7 +101,7 @@ BEGIN
               'bucket_batch_v1',
               'bucket_give_back_v1', 'bucket_lock_exclusive_v1', 'bucket_reclaim_expired_v1',
               'bucket_take_v1', 'bucket_untake_v1', 'bucket_view_v1', 'cart_limit_refusal_v1',
-              'change_v1', 'claim_v1', 'expire_due_v1', 'extend_v1', 'extend_v2', 'freeze_doc_v1', 'freeze_lift_v1',
+              'change_v1', 'claim_v1', 'expire_due_v1', 'expire_due_v2', 'extend_v1', 'extend_v2', 'freeze_doc_v1', 'freeze_lift_v1',
               'freeze_lock_key_v1', 'freeze_refusal_v1', 'freeze_set_v1',
               'invariant_violations_v1', 'ledger_check_v1', 'ledger_record_v1',
               'location_priority_get_v1', 'location_priority_of_v1',
