@@ -121,6 +121,7 @@ class _Pending:
     end: float | None
     done: bool = False
     turn: asyncio.Event | None = None
+    timer: asyncio.TimerHandle | None = None  # its deadline, while it waits in the queue
 
     def finish(self) -> None:
         self.done = True
@@ -138,11 +139,15 @@ class _Turn:
         self.pending = pending
 
     async def __aenter__(self) -> dict[str, Any]:
+        pending = self.pending
         try:
-            return await asyncio.shield(self.pending.future)
+            return await asyncio.shield(pending.future)
         except BaseException:
-            self.pending.finish()  # the caller is gone: nobody takes the turn
+            pending.finish()  # the caller is gone: nobody takes the turn
             raise
+        finally:
+            if pending.timer is not None:
+                pending.timer.cancel()
 
     async def __aexit__(self, *exc: object) -> None:
         self.pending.finish()
@@ -198,9 +203,26 @@ class Combiner:
         future.add_done_callback(_retrieve)
         pending = _Pending(request, future, current_deadline())
         queue.append(pending)
+        if pending.end is not None:
+            # answered Busy at its deadline if it is still queued then, also while
+            # the batch before it waits on a database that does not answer
+            pending.timer = asyncio.get_running_loop().call_later(
+                max(0.0, pending.end - time.monotonic()), self._expire, queue, pending)
         if key not in self._tasks:
             self._tasks[key] = asyncio.create_task(self._drain(key))
         return _Turn(pending)
+
+    def _expire(self, queue: deque[_Pending], pending: _Pending) -> None:
+        """A queued request's deadline passed: Busy, unless it was sent meanwhile (its
+        batch answers it, bounded by the batch's own deadline)."""
+        if pending.future.done():
+            return
+        try:
+            queue.remove(pending)
+        except ValueError:  # in a batch (or back at the head after it: kept there)
+            return
+        self.stats.busy += 1
+        _fail([pending], _late_busy())
 
     async def _drain(self, key: tuple[int, int]) -> None:
         queue = self._queues[key]

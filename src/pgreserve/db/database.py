@@ -439,7 +439,7 @@ class Database:
         pgconn = conn.pgconn
         try:
             pgconn.send_query(begin + statement.render(adapt, params))
-            results = await conn.wait(generators.execute(pgconn))
+            results = await _results(conn, end)
         except BaseException:
             await _roll_back(conn)
             raise
@@ -485,7 +485,7 @@ class Database:
                 wait = self._pool_wait(end)
                 pool = await self._pool_for(op)
                 async with pool.connection(timeout=wait) as conn:
-                    return await self._read(conn, tagged(sql, op), params)
+                    return await self._read(conn, tagged(sql, op), params, end)
             except _Late:
                 raise self._gave_up(op, False, "the request deadline passed") from None
             except PoolTimeout as exc:
@@ -507,13 +507,14 @@ class Database:
                 await asyncio.sleep(delay)
 
     async def _read(self, conn: psycopg.AsyncConnection[Any], sql: LiteralString,
-                    params: Sequence[Any] | Mapping[str, Any]) -> list[tuple[Any, ...]]:
+                    params: Sequence[Any] | Mapping[str, Any],
+                    end: float | None = None) -> list[tuple[Any, ...]]:
         text = psycopg.AsyncClientCursor(conn).mogrify(sql, params).encode(
             conn.info.encoding)
         pgconn = conn.pgconn
         try:
             pgconn.send_query(self._begin_read + text + self._commit)
-            results = await conn.wait(generators.execute(pgconn))
+            results = await _results(conn, end)
         except BaseException:
             await _roll_back(conn)
             raise
@@ -652,6 +653,27 @@ class Session:
         conn, self._conn = self._conn, None
         if conn is not None and self._pool is not None:
             await self._pool.putconn(conn)
+
+
+# How long past a call's deadline its answer is waited for. The statement_timeout sent
+# with the call makes a server that runs end it at the deadline; this bounds the wait
+# on one that does not answer at all (stopped, partitioned away).
+ANSWER_GRACE_S = 1.0
+
+
+async def _results(conn: psycopg.AsyncConnection[Any], end: float | None) -> list[Any]:
+    """The results of the query just sent; with a deadline, waited for until it (and
+    ANSWER_GRACE_S) only: then the connection is dropped without a round trip (the pool
+    discards it) and the call fails as on a lost connection, its outcome unknown."""
+    if end is None:
+        return await conn.wait(generators.execute(conn.pgconn))
+    try:
+        async with asyncio.timeout(max(0.0, end - time.monotonic()) + ANSWER_GRACE_S):
+            return await conn.wait(generators.execute(conn.pgconn))
+    except TimeoutError:
+        conn.pgconn.finish()
+        raise psycopg.OperationalError(
+            "the database did not answer within the request's deadline") from None
 
 
 async def _roll_back(conn: psycopg.AsyncConnection[Any]) -> None:
