@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -71,3 +73,25 @@ def _serve_and_stop(up: Running, data: str, env: dict[str, str], port: int,
     assert any(x.get("route") == "/v1/reservations" and x.get("status") == 201
                and x.get("request_key") == "order-1" for x in logged), lines
     assert doc["api_key"] not in "".join(lines)
+
+
+def test_two_migrates_at_once_on_a_new_data_directory() -> None:
+    """Two `pgreserve migrate` started together on a data directory that does not exist
+    yet both succeed (one creates and tunes the server, the other joins it); before, both
+    tuned and restarted it, and one failed with a traceback."""
+    root = Path(tempfile.mkdtemp(prefix="pgr-"))
+    data = str(root / "data")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PGRESERVE_")}
+    try:
+        procs = [subprocess.Popen([str(BIN), "migrate", "--data-dir", data], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True) for _ in range(2)]
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs
+        assert not any("Traceback" in out for out in outs), outs
+    finally:
+        pid_file = root / "data" / "postmaster.pid"
+        if pid_file.exists():  # a server left running: stop it (SIGTERM, smart shutdown)
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid_file.read_text().split()[0]), signal.SIGTERM)
+        shutil.rmtree(root, ignore_errors=True)

