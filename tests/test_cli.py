@@ -124,6 +124,23 @@ def test_a_malformed_database_url_is_a_message() -> None:
     assert "is not a PostgreSQL URL" in result.stderr
 
 
+@pytest.mark.parametrize("url", [
+    "postgresql://shop:hunter2@[::1",  # an unclosed IPv6 bracket
+    "postgresql://shop:hunter2@127.0.0.1:5432/shop?connect_timeout=abc",
+])
+def test_a_url_only_libpq_refuses_is_a_message_without_the_password(url: str) -> None:
+    """A URL no parser takes, or with a connect_timeout libpq refuses, exits 1 with one
+    line, its password masked, and no traceback, from any command (before: a traceback
+    from the masking itself, or from doctor's own connection)."""
+    for command in (["tenant", "list"], ["doctor"]):
+        result = pgr(*command, "--database-url", url)
+        assert result.returncode == 1, result.stderr
+        assert "Traceback" not in result.stderr and "hunter2" not in result.stderr
+        assert result.stderr.startswith("Error: --database-url / PGRESERVE_DATABASE_URL is "
+                                        "not a PostgreSQL URL (postgresql://shop:***@")
+        assert len(result.stderr.strip().splitlines()) == 1
+
+
 def test_an_uncreatable_data_directory_is_a_message(short_dir: Path) -> None:
     """`up` with a data directory that cannot be created exits 1 naming it, no traceback."""
     blocker = short_dir / "file"
@@ -230,6 +247,12 @@ def test_up_banner_masks_the_database_password(dsn: str) -> None:
     ("postgresql://u@db/x?password=s3cret&sslmode=require",
      "postgresql://u@db/x?password=***&sslmode=require"),
     ("postgresql://postgres:@/x?host=/tmp/d", "postgresql://postgres:@/x?host=/tmp/d"),
+    # the SSL key's password too; nothing else of the URL changes, also where a parser
+    # would rewrite it (an empty host) or refuse it (an unclosed IPv6 bracket)
+    ("postgresql://u@db/x?sslpassword=k3y&sslmode=require",
+     "postgresql://u@db/x?sslpassword=***&sslmode=require"),
+    ("postgresql:///x?host=/tmp&password=s3cret", "postgresql:///x?host=/tmp&password=***"),
+    ("postgresql://u:s3cret@[::1", "postgresql://u:***@[::1"),
 ])
 def test_mask_password_hides_every_form_of_password(url: str, masked: str) -> None:
     """mask_password replaces the password of a URL, a URL parameter and a key=value

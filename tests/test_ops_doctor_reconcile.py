@@ -73,6 +73,15 @@ def test_doctor_passes_on_the_tuned_server(dsn: str) -> None:
     code, found = run_doctor(dsn)
     assert code == 1
     assert "stock_unit_p3" in found["stock_unit partition autovacuum settings"]["found"]
+    # options that only start like the tuned ones, or autovacuum off, are untuned too
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("ALTER TABLE stock_unit_p3 SET (autovacuum_vacuum_scale_factor = 0)")
+        conn.execute("ALTER TABLE stock_unit_p4 SET (autovacuum_vacuum_scale_factor = 0.2)")
+        conn.execute("ALTER TABLE stock_unit_p5 SET (autovacuum_enabled = false)")
+    code, found = run_doctor(dsn)
+    untuned = found["stock_unit partition autovacuum settings"]["found"]
+    assert code == 1 and "stock_unit_p4" in untuned and "stock_unit_p5" in untuned
+    assert "stock_unit_p3," not in untuned and not untuned.endswith("stock_unit_p3")
 
 
 async def held(service: ReservationService, tenant: Tenant, key: str, sku: str,

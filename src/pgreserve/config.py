@@ -7,7 +7,6 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import psycopg.conninfo
@@ -19,26 +18,36 @@ from .errors import DatabaseUnavailable, NoDatabase
 CONNECT_TIMEOUT_S = 10
 
 
+_SECRETS = ("password", "sslpassword")
+
+
 def mask_password(url: str) -> str:
-    """`url` with its password (in the netloc or a `password=` parameter) replaced by ***."""
+    """`url` with its secrets (the netloc's password, `password=` and `sslpassword=`
+    parameters) replaced by ***, and nothing else changed (a URL no parser takes, such
+    as an unclosed IPv6 bracket, included)."""
     if "://" in url:
-        parts = urlsplit(url)
-        netloc = parts.netloc
+        scheme, _, rest = url.partition("://")
+        cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
+        netloc, tail = rest[:cut], rest[cut:]
         if "@" in netloc:
             userinfo, _, hostinfo = netloc.rpartition("@")
-            user, _, password = userinfo.partition(":")
-            if password:
-                userinfo = f"{user}:***"
-            netloc = f"{userinfo}@{hostinfo}"
-        query = "&".join("password=***" if p.lower().startswith("password=") else p
-                         for p in parts.query.split("&")) if parts.query else ""
-        return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+            user, colon, password = userinfo.partition(":")
+            if colon and password:
+                netloc = f"{user}:***@{hostinfo}"
+        path, question, query = tail.partition("?")
+        if question:
+            query, hash_, fragment = query.partition("#")
+            query = "&".join(
+                f"{p.partition('=')[0]}=***" if p.partition("=")[0].lower() in _SECRETS
+                else p for p in query.split("&")) + hash_ + fragment
+        return f"{scheme}://{netloc}{path}{question}{query}"
     try:
         params = psycopg.conninfo.conninfo_to_dict(url)
     except psycopg.ProgrammingError:
         return "(unparsable connection string)"
-    if "password" in params:
-        params["password"] = "***"  # noqa: S105 - the mask, not a secret
+    for secret in _SECRETS:
+        if secret in params:
+            params[secret] = "***"
     return psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in params.items()})
 
 
@@ -46,15 +55,24 @@ def check_external(url: str) -> None:
     """Raise NoDatabase for a URL psycopg cannot parse, DatabaseUnavailable for a server
     that does not answer; nothing is created."""
     try:
-        psycopg.conninfo.conninfo_to_dict(url)
+        params = psycopg.conninfo.conninfo_to_dict(url)
+        # (the check below connects with a connect_timeout of its own: a value libpq
+        # refuses would only fail the command's own connection, with a traceback)
+        timeout = params.get("connect_timeout")
+        if timeout is not None and not str(timeout).strip().lstrip("-").isdigit():
+            raise psycopg.ProgrammingError(f"connect_timeout must be a whole number of "
+                                           f"seconds, not {timeout!r}")
     except psycopg.ProgrammingError as exc:
+        # (libpq's message quotes the URL: masked there too)
+        detail = str(exc).replace(url, mask_password(url))
         raise NoDatabase(f"--database-url / PGRESERVE_DATABASE_URL is not a PostgreSQL URL "
-                         f"({mask_password(url)}): {exc}") from None
+                         f"({mask_password(url)}): {detail}") from None
     try:
         with psycopg.connect(url, connect_timeout=CONNECT_TIMEOUT_S, autocommit=True):
             pass
     except psycopg.Error as exc:
-        reason = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        reason = " ".join(line.strip() for line in str(exc).replace(url, mask_password(url))
+                          .splitlines() if line.strip())
         reason = reason or type(exc).__name__
         raise DatabaseUnavailable(f"cannot connect to {mask_password(url)}: {reason}") from None
 

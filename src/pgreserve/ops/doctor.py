@@ -128,9 +128,7 @@ def diagnose(dsn: str, *, pool_size: int = 10, processes: int = 1,
                                "stock_unit_p0..p15 with autovacuum settings",
                                "pgreserve migrate (this is not a migrated pgreserve database)"))
         else:
-            missing = [r[0] for r in rows
-                       if "autovacuum_vacuum_scale_factor=0" not in r[1]
-                       or "autovacuum_vacuum_threshold=" not in r[1]]
+            missing = [r[0] for r in rows if not _tuned(r[1])]
             out.append(Finding(
                 "stock_unit partition autovacuum settings", "fail" if missing else "ok",
                 f"{len(rows) - len(missing)} of {len(rows)} partitions tuned"
@@ -260,3 +258,15 @@ def failed(findings: list[Finding]) -> bool:
 
 def as_json(findings: list[Finding]) -> dict[str, Any]:
     return {"ok": not failed(findings), "findings": [f.as_json() for f in findings]}
+
+
+def _tuned(reloptions: str) -> bool:
+    """A pool partition's options as migration 0001 sets them: autovacuum on, a zero
+    scale factor and a fixed threshold (not any option that merely starts like them)."""
+    options = dict(o.split("=", 1) for o in reloptions.split(",") if "=" in o)
+    try:
+        return (float(options.get("autovacuum_vacuum_scale_factor", "nan")) == 0
+                and int(options.get("autovacuum_vacuum_threshold", "-1")) >= 0
+                and options.get("autovacuum_enabled", "true").lower() in ("true", "on", "1"))
+    except ValueError:
+        return False
