@@ -361,6 +361,13 @@ def test_serve_puts_ops_on_its_own_listener(dsn: str, workers: int) -> None:
             points = httpx.get(ops + "/ops/series.json", timeout=30).json()["points"]
             moving = any(p["holds_per_s"] > 0 for p in points)
         assert moving, "the ops listener's figures never saw a hold"
+        # the figures' gauges are set by the ops listener's own monitors (the parent
+        # under --workers 2, whose gauges no file holds): /metrics shows them too
+        text = httpx.get(ops + "/metrics", timeout=30).text
+        by_state = {s.labels["state"]: s.value for f in text_string_to_metric_families(text)
+                    if f.name == "pgreserve_reservations_by_state" for s in f.samples}
+        assert by_state.get("active", 0) >= 1, by_state
+        assert conformance_problems(text) == []
         assert proc.stop() == 0, proc.output
     finally:
         proc.kill()

@@ -281,8 +281,33 @@ class OpsMetrics:
         path = multiprocess_dir()
         if path:
             registry = CollectorRegistry()
-            multiprocess.MultiProcessCollector(registry, path=path)
+            registry.register(_WithOwnGauges(multiprocess.MultiProcessCollector(None, path=path),
+                                             self.registry, self.extra_collectors))
             for collector in self.extra_collectors:
                 registry.register(collector)
             return generate_latest(registry)
         return generate_latest(self.registry)
+
+
+class _WithOwnGauges:
+    """The workers' figures from the multiprocess files, with this process's own gauges
+    where the files have no sample of them. Under `serve --workers N` the parent runs the
+    monitors (hold time, bloat, the ops figures, PgBouncer): their gauges live in its
+    memory, not in a file, and the files only hold the workers' empty copies of them."""
+
+    def __init__(self, files: Any, own: CollectorRegistry, extra: list[Collector]) -> None:
+        self.files = files
+        self.own = own
+        self.extra = extra
+
+    def collect(self) -> Any:
+        # (the extra collectors are exposed on their own: not twice)
+        theirs = {family.name for collector in self.extra for family in collector.collect()}
+        own = {family.name: family for family in self.own.collect()
+               if family.type == "gauge" and family.samples and family.name not in theirs}
+        for family in self.files.collect():
+            mine = own.pop(family.name, None)
+            if mine is not None and not family.samples:
+                family.samples = mine.samples
+            yield family
+        yield from own.values()
