@@ -172,3 +172,20 @@ async def test_openapi_documents_the_conventions(api: ApiTenant) -> None:
     assert "ETag" in paths["/v1/stock/{location}/{sku}"]["get"]["responses"]["200"]["headers"]
     assert "Location" in paths["/v1/reservations"]["post"]["responses"]["201"]["headers"]
     assert "Location" in paths["/v1/webhooks"]["post"]["responses"]["201"]["headers"]
+
+
+async def test_if_none_match_on_an_adjustment_is_refused_and_writes_nothing(
+        api: ApiTenant) -> None:
+    """If-None-Match on an adjustment (`*`, which can never hold for a line that exists,
+    or anything else) is 400 precondition_invalid with nothing written and nothing stored
+    under the key; before, it was ignored and the stock moved."""
+    await put(api, "s", 10)
+    for value in ("*", 'W/"1"', "garbage"):
+        resp = await api.client.post("/v1/stock/wh/s/adjustments", json={"delta": 5},
+                                     headers={"Idempotency-Key": "adj",
+                                              "If-None-Match": value})
+        assert_problem(resp, 400, "precondition_invalid")
+    assert (await api.client.get("/v1/stock/wh/s")).json()["on_hand"] == 10
+    done = await api.client.post("/v1/stock/wh/s/adjustments", json={"delta": 5},
+                                 headers={"Idempotency-Key": "adj"})
+    assert done.status_code == 200 and done.json()["on_hand"] == 15

@@ -60,13 +60,23 @@ def test_doctor_fails_on_a_default_server(default_server_dsn: str) -> None:
     assert "ALTER SYSTEM" in found["pg_stat_statements"]["fix"]
     # the migration tuned the partitions: doctor says so rather than assuming
     assert found["stock_unit partition autovacuum settings"]["status"] == "ok"
+    # PostgreSQL's defaults are durable
+    assert {k: found[k]["status"] for k in DURABILITY} == dict.fromkeys(DURABILITY, "ok")
+
+
+# what the test server turns off for speed (conftest.TEST_SETTINGS), and doctor fails
+DURABILITY = {"fsync", "full_page_writes", "synchronous_commit"}
 
 
 def test_doctor_passes_on_the_tuned_server(dsn: str) -> None:
     """On the tuned embedded server (SERVER_SETTINGS, role limits, migrated) no check fails
-    and the exit code is 0; an untuned partition is then found."""
+    but durability, which the test server turns off for speed (and doctor must say so:
+    exit 1); an untuned partition is then found."""
     code, found = run_doctor(dsn)
-    assert code == 0, {k: v for k, v in found.items() if v["status"] == "fail"}
+    assert {k for k, v in found.items() if v["status"] == "fail"} == DURABILITY, found
+    assert code == 1
+    assert found["synchronous_commit"]["found"] == "off" and "ALTER ROLE" in found[
+        "synchronous_commit"]["fix"]
     assert found["autovacuum_naptime"]["found"] == "1s"
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("ALTER TABLE stock_unit_p3 RESET (autovacuum_vacuum_scale_factor)")

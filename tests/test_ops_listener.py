@@ -10,9 +10,11 @@ import re
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -336,6 +338,7 @@ def test_serve_puts_ops_on_its_own_listener(dsn: str, workers: int) -> None:
     key = tenant_with_key(dsn)
     port, ops_port = free_port(), free_port()
     api, ops = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{ops_port}"
+    metrics_dirs = set(Path(tempfile.gettempdir()).glob("pgreserve-metrics-*"))
     proc = Process(["serve", "--database-url", dsn, "--port", str(port), "--ops-port",
                     str(ops_port), "--workers", str(workers), "--log-format", "json"])
     try:
@@ -377,6 +380,8 @@ def test_serve_puts_ops_on_its_own_listener(dsn: str, workers: int) -> None:
                for x in requests), proc.output
     assert key not in proc.output and "Bearer" not in proc.output
     assert '"GET /healthz' not in proc.output  # uvicorn's own access log is off
+    # the workers' metrics directory the run made is gone with it
+    assert set(Path(tempfile.gettempdir()).glob("pgreserve-metrics-*")) <= metrics_dirs
 
 
 @pytest.mark.parametrize("workers", [1, 2])

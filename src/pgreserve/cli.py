@@ -442,10 +442,21 @@ def _serve_processes(dsn: str, s: Settings) -> None:
         env["PGRESERVE_REQUEST_LOG_FILE"] = str(Path(s.request_log_file).resolve())
     # prometheus_client multiprocess mode: each worker writes its values
     # to files in this directory and /metrics aggregates them.
+    made: str | None = None  # a directory of this run's own, removed when it ends
     if not env.get("PROMETHEUS_MULTIPROC_DIR"):
         import tempfile
 
-        env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="pgreserve-metrics-")
+        made = env["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="pgreserve-metrics-")
+    try:
+        _run_processes(dsn, s)
+    finally:
+        if made is not None:
+            import shutil
+
+            shutil.rmtree(made, ignore_errors=True)
+
+
+def _run_processes(dsn: str, s: Settings) -> None:
     from .http.requestlog import configure_logging
     from .http.server import ListenerError, run_workers
 

@@ -103,6 +103,22 @@ def diagnose(dsn: str, *, pool_size: int = 10, processes: int = 1,
                 ).as_string(conn) + ";  -- the service sets a tighter limit per transaction; "
                 "this is the safety net for every other session"))
 
+        # Durability: a hold, a sale or a stored "no" acknowledged to a client must
+        # survive a crash of the server (docs/guarantees.md).
+        for name, accepted, fix in (("fsync", ("on",), queries["fsync_fix"]),
+                                ("full_page_writes", ("on",), queries["full_page_writes_fix"]),
+                                ("synchronous_commit",
+                                 ("on", "local", "remote_write", "remote_apply"),
+                                 sql.SQL(queries["role_setting_fix"]).format(
+                                     sql.Identifier(role), sql.Identifier("synchronous_commit"),
+                                     sql.Literal("on")).as_string(conn))):
+            v = setting(name)
+            found = v[0] if v else "?"
+            out.append(Finding(
+                f"{name} (role {role})" if name == "synchronous_commit" else name,
+                "ok" if found in accepted else "fail", found, " or ".join(accepted),
+                _fix(fix, "an acknowledged hold, sale or refusal must survive a crash")))
+
         v = setting("autovacuum_naptime")
         s_ = _ms(*v) / 1000 if v else 60.0
         out.append(Finding(

@@ -33,6 +33,9 @@ IfMatchHeader = Annotated[str | None, Header(
 IfNoneMatchHeader = Annotated[str | None, Header(
     alias="If-None-Match",
     description="* : create the line only; 412 if it exists.")]
+AdjustIfNoneMatchHeader = Annotated[str | None, Header(
+    alias="If-None-Match",
+    description="Not evaluated on an adjustment: any value is 400 precondition_invalid.")]
 
 NAME_PATTERN = r"^[^\x00]+$"
 QueryName = Annotated[str, StringConstraints(min_length=1, max_length=200, pattern=NAME_PATTERN)]
@@ -83,9 +86,14 @@ async def put_stock(location: PathName, sku: PathName, body: StockSet, tenant: T
              summary="Receipt (delta > 0) or correction (delta < 0)")
 async def adjust_stock(location: PathName, sku: PathName, body: StockAdjust, tenant: Tenant,
                        svc: Holds, keys: Keys, idempotency_key: KeyHeader = None,
-                       if_match: IfMatchHeader = None) -> Response:
+                       if_match: IfMatchHeader = None,
+                       if_none_match: AdjustIfNoneMatchHeader = None) -> Response:
     key = request_key(idempotency_key, required=True)
     assert key is not None
+    if if_none_match is not None:  # (never ignored: the write would go through unasked)
+        raise problems.PreconditionInvalid(
+            "If-None-Match is not evaluated on an adjustment: the line it adjusts exists "
+            "(an adjustment of no line is 404); use If-Match for its version")
     match = conditional.if_match(if_match)
     async with keys.hold(tenant, key):
         view = await svc.adjust_stock(tenant, key, stored_name(sku, "sku"),

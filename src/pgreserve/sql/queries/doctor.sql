@@ -30,6 +30,12 @@ ALTER SYSTEM SET autovacuum_naptime = '1s'; SELECT pg_reload_conf();
 -- name: autovacuum_max_workers_fix
 ALTER SYSTEM SET autovacuum_max_workers = 6;
 
+-- name: fsync_fix
+ALTER SYSTEM SET fsync = on; SELECT pg_reload_conf();
+
+-- name: full_page_writes_fix
+ALTER SYSTEM SET full_page_writes = on; SELECT pg_reload_conf();
+
 -- name: autovacuum_fix
 ALTER SYSTEM SET autovacuum = on; SELECT pg_reload_conf();
 
