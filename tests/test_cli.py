@@ -253,6 +253,9 @@ def test_up_banner_masks_the_database_password(dsn: str) -> None:
      "postgresql://u@db/x?sslpassword=***&sslmode=require"),
     ("postgresql:///x?host=/tmp&password=s3cret", "postgresql:///x?host=/tmp&password=***"),
     ("postgresql://u:s3cret@[::1", "postgresql://u:***@[::1"),
+    # as libpq reads it: the user info ends at the first "@" before the first "/"
+    ("postgresql://u:pa?ss@db.example/app", "postgresql://u:***@db.example/app"),
+    ("postgresql://u:p@ss@h/db", "postgresql://u:***@ss@h/db"),
 ])
 def test_mask_password_hides_every_form_of_password(url: str, masked: str) -> None:
     """mask_password replaces the password of a URL, a URL parameter and a key=value

@@ -27,13 +27,17 @@ def mask_password(url: str) -> str:
     as an unclosed IPv6 bracket, included)."""
     if "://" in url:
         scheme, _, rest = url.partition("://")
+        # libpq's reading: the user info ends at the first "@" before the first "/"
+        # (a password may hold "?" or "#"); the host part after it
+        slash = rest.find("/")
+        at = rest.find("@", 0, slash if slash >= 0 else len(rest))
+        prefix = ""
+        if at >= 0:
+            user, colon, password = rest[:at].partition(":")
+            prefix = f"{user}:***@" if colon and password else rest[:at + 1]
+            rest = rest[at + 1:]
         cut = min((i for i in (rest.find("/"), rest.find("?")) if i >= 0), default=len(rest))
-        netloc, tail = rest[:cut], rest[cut:]
-        if "@" in netloc:
-            userinfo, _, hostinfo = netloc.rpartition("@")
-            user, colon, password = userinfo.partition(":")
-            if colon and password:
-                netloc = f"{user}:***@{hostinfo}"
+        netloc, tail = prefix + rest[:cut], rest[cut:]
         path, question, query = tail.partition("?")
         if question:
             query, hash_, fragment = query.partition("#")

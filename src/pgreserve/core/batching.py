@@ -219,8 +219,8 @@ class Combiner:
             return
         try:
             queue.remove(pending)
-        except ValueError:  # in a batch (or back at the head after it: kept there)
-            return
+        except ValueError:  # in a batch: the batch answers it (a deferred request put
+            return          # back at the head of the queue is in it again: Busy here)
         self.stats.busy += 1
         _fail([pending], _late_busy())
 

@@ -232,6 +232,8 @@ def stock_cursor_position(cursor: str) -> tuple[str, str]:
 DEFAULT_RESERVATION_PAGE = 50
 MAX_RESERVATION_PAGE = 200
 _RESERVATION_CURSOR_PREFIX = "r1."
+# PostgreSQL takes time-zone offsets below 16 hours only (Python's go to 24)
+_MOST_OFFSET = timedelta(hours=16)
 # before every reservation: the first page's position (newest first)
 _NEWEST = (datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC),
            uuid.UUID("ffffffff-ffff-ffff-ffff-ffffffffffff"))
@@ -260,7 +262,9 @@ def reservation_cursor_position(cursor: Any) -> tuple[datetime, uuid.UUID]:
         created_at, rid = datetime.fromisoformat(doc[0]), uuid.UUID(doc[1])
         # only what reservation_cursor makes, byte for byte; then as UTC (the database
         # takes offsets up to 15:59 only, Python's up to 23:59)
-        if created_at.tzinfo is None or reservation_cursor(created_at, rid) != cursor:
+        offset = created_at.utcoffset()
+        if (offset is None or abs(offset) >= _MOST_OFFSET
+                or reservation_cursor(created_at, rid) != cursor):
             raise bad
         return created_at.astimezone(UTC), rid
     except (ValueError, binascii.Error, UnicodeDecodeError, RecursionError, OverflowError):

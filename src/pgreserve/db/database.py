@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, LiteralString, cast
 
 import psycopg
-from psycopg import generators, pq
+from psycopg import generators, pq, waiting
 from psycopg import sql as sql_
 from psycopg.abc import Transformer as _Adapt
 from psycopg.adapt import Transformer
@@ -669,7 +669,10 @@ async def _results(conn: psycopg.AsyncConnection[Any], end: float | None) -> lis
         return await conn.wait(generators.execute(conn.pgconn))
     try:
         async with asyncio.timeout(max(0.0, end - time.monotonic()) + ANSWER_GRACE_S):
-            return await conn.wait(generators.execute(conn.pgconn))
+            # (psycopg's own wait, cancelled, would ask the server to cancel the query
+            # and wait for it up to twice 5 s more: the server is not answering)
+            return await waiting.wait_async(generators.execute(conn.pgconn),
+                                            conn.pgconn.socket)
     except TimeoutError:
         conn.pgconn.finish()
         raise psycopg.OperationalError(
