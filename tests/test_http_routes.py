@@ -14,13 +14,15 @@ from pgreserve.http.routes import operations
 from pgreserve.http.routes.events import cursor_position
 
 
-def test_cursor_position_parses_and_clamps() -> None:
-    """An events cursor becomes its position, clamped to bigint; junk is InvalidRequest."""
+def test_cursor_position_parses_and_refuses_what_no_page_hands_out() -> None:
+    """An events cursor becomes its position; one past a bigint (no page hands it out),
+    in another script's digits, or junk is InvalidRequest."""
     assert cursor_position(None) is None
     assert cursor_position("12-3") == (12, 3)
-    assert cursor_position("9" * 19 + "-1") == (2**63 - 1, 1)
-    with pytest.raises(errors.InvalidRequest):
-        cursor_position("12")
+    assert cursor_position(f"{2**63 - 1}-1") == (2**63 - 1, 1)
+    for junk in ("12", "9" * 19 + "-1", f"1-{2**63}", "\uff11-1", "12-3\n"):
+        with pytest.raises(errors.InvalidRequest):
+            cursor_position(junk)
 
 
 async def test_operations_router_serves_healthz_alone(db: Database) -> None:
