@@ -55,6 +55,11 @@ def mask_password(url: str) -> str:
     return psycopg.conninfo.make_conninfo(**{k: str(v) for k, v in params.items()})
 
 
+def _masked(exc: Exception, url: str) -> str:
+    """An error's message with the URL in it masked (libpq's messages quote it)."""
+    return str(exc).replace(url, mask_password(url))
+
+
 def check_external(url: str) -> None:
     """Raise NoDatabase for a URL psycopg cannot parse, DatabaseUnavailable for a server
     that does not answer; nothing is created."""
@@ -67,16 +72,14 @@ def check_external(url: str) -> None:
             raise psycopg.ProgrammingError(f"connect_timeout must be a whole number of "
                                            f"seconds, not {timeout!r}")
     except psycopg.ProgrammingError as exc:
-        # (libpq's message quotes the URL: masked there too)
-        detail = str(exc).replace(url, mask_password(url))
         raise NoDatabase(f"--database-url / PGRESERVE_DATABASE_URL is not a PostgreSQL URL "
-                         f"({mask_password(url)}): {detail}") from None
+                         f"({mask_password(url)}): {_masked(exc, url)}") from None
     try:
         with psycopg.connect(url, connect_timeout=CONNECT_TIMEOUT_S, autocommit=True):
             pass
     except psycopg.Error as exc:
-        reason = " ".join(line.strip() for line in str(exc).replace(url, mask_password(url))
-                          .splitlines() if line.strip())
+        reason = " ".join(line.strip() for line in _masked(exc, url).splitlines()
+                          if line.strip())
         reason = reason or type(exc).__name__
         raise DatabaseUnavailable(f"cannot connect to {mask_password(url)}: {reason}") from None
 

@@ -346,17 +346,18 @@ def utf8_target(scope: MutableMapping[str, Any]) -> bool:
     server hands undecodable bytes on as U+FFFD, so without this check `%E9` and `%E8`
     would both name the line "\ufffd", and a write to one would overwrite the other."""
     raw = scope.get("raw_path")
-    if raw is not None and "\ufffd" in str(scope.get("path", "")):
-        try:
-            unquote_to_bytes(raw).decode("utf-8")
-        except UnicodeDecodeError:
-            return False
+    if raw is not None and "\ufffd" in str(scope.get("path", "")) and not _utf8(raw):
+        return False
     query = scope.get("query_string") or b""
-    if b"%" in query:
-        try:
-            unquote_to_bytes(query).decode("utf-8")
-        except UnicodeDecodeError:
-            return False
+    return b"%" not in query or _utf8(query)
+
+
+def _utf8(raw: bytes) -> bool:
+    """Whether percent-encoded bytes decode as UTF-8."""
+    try:
+        unquote_to_bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        return False
     return True
 
 
