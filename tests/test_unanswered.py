@@ -5,24 +5,39 @@ requests queued behind them are answered Busy at theirs, never sent."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
+import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import psycopg
 import pytest
 
-from pgreserve import Database, ReservationService, errors
+from pgreserve import Database, ReservationService, TxSettings, errors
+from pgreserve.db import migrate as migrations
 from pgreserve.db.database import deadline
+from pgreserve.workers.base import run_forever
+from pgreserve.workers.sweeper import Sweeper
+from test_cli import clean_env
+from test_cli_up import BIN
+from test_migrations import _new_database
+
+if TYPE_CHECKING:
+    from pgreserve.db.embedded import EmbeddedServer
 
 GUARD_S = 60  # a hang fails the test here instead of holding the suite
 
 
 def backends(dsn: str, application_name: str) -> list[int]:
+    """The backends of this database with this application_name (a LIKE pattern)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         return [int(r[0]) for r in conn.execute(
-            "SELECT pid FROM pg_stat_activity WHERE application_name = %s",
+            "SELECT pid FROM pg_stat_activity WHERE application_name LIKE %s"
+            " AND datname = current_database() AND pid <> pg_backend_pid()",
             (application_name,))]
 
 
@@ -89,3 +104,70 @@ async def test_requests_queued_behind_an_unanswered_batch_are_busy_at_their_dead
         assert (await service.reserve(tenant.id, "b", [("s", "w", 1)])).held
         assert (await service.get_stock(tenant.id, "s", "w")).reserved == 3
         assert await service.invariant_violations() == []
+
+
+async def test_a_worker_round_on_a_database_that_stops_answering_fails_at_its_deadline(
+        dsn: str, caplog: pytest.LogCaptureFixture) -> None:
+    """With `call_deadline_s` (the workers' setting), a sweeper round whose backend stops
+    fails at the call's deadline, logged, and the loop goes on and stops when told,
+    instead of waiting as long as the database."""
+    for bad in (0.0, -1.0, float("nan"), 1e9):
+        with pytest.raises(ValueError, match="call_deadline_s"):
+            TxSettings(call_deadline_s=bad)
+    app = "stalled-sweeper"
+    settings = TxSettings(call_deadline_s=1.0)
+    async with Database(dsn, min_size=1, max_size=1, application_name=app,
+                        settings=settings) as db:
+        sweeper = Sweeper(ReservationService(db, batching=False))
+        await sweeper.run_once()  # the pool's one connection is warm
+        stop = asyncio.Event()
+        with stopped(backends(dsn, app)), caplog.at_level(logging.ERROR):
+            loop = asyncio.create_task(run_forever(sweeper, stop))
+            until = time.monotonic() + GUARD_S
+            while not any("round failed" in r.getMessage() for r in caplog.records):
+                assert time.monotonic() < until and not loop.done(), caplog.text
+                await asyncio.sleep(0.05)
+            stop.set()
+            await asyncio.wait_for(loop, GUARD_S)
+        failed = [r for r in caplog.records if "round failed" in r.getMessage()]
+        assert failed[0].exc_info is not None
+        assert isinstance(failed[0].exc_info[1], (errors.OutcomeUnknown, errors.Busy))
+        assert await sweeper.run_once() == 0  # answering again: rounds work
+
+
+def test_the_worker_process_stops_while_its_database_does_not_answer(
+        pg_server: EmbeddedServer) -> None:
+    """`pgreserve worker` told to stop (SIGTERM) while every one of its backends is
+    stopped ends (exit 0) after its shutdown grace (SHUTDOWN_GRACE_S), not when the
+    database answers."""
+    dsn = _new_database(pg_server, "stalled_worker")
+    migrations.migrate(dsn)
+    proc = subprocess.Popen([str(BIN), "worker", "--database-url", dsn], env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        until = time.monotonic() + GUARD_S
+        roles = {"pgreserve:sweeper", "pgreserve:replenisher", "pgreserve:janitor",
+                 "pgreserve:webhooks"}
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            while not roles <= {str(r[0]) for r in conn.execute(
+                    "SELECT application_name FROM pg_stat_activity"
+                    " WHERE datname = current_database()")}:
+                assert time.monotonic() < until and proc.poll() is None
+                time.sleep(0.1)
+        with stopped(backends(dsn, "pgreserve:%")):
+            time.sleep(2.0)  # the next rounds are sent and wait
+            proc.send_signal(signal.SIGTERM)
+            try:
+                code = proc.wait(timeout=GUARD_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = None
+        out = proc.communicate(timeout=GUARD_S)[0]
+        assert code == 0, out
+        assert "stopped cleanly" in out and "Traceback" not in out, out
+        # (a cancelled call drops its connection: no rollback is sent behind its statement)
+        assert "another command is already in progress" not in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

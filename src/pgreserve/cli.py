@@ -21,11 +21,11 @@ from .config import database_url, mask_password
 from .core.service import ReservationService
 from .db import migrate as migrations
 from .db import schema as schemas
-from .db.database import Database
+from .db.database import Database, TxSettings, deadline
 from .db.embedded import data_dir_from_env
 from .db.migration_check import check_database
 from .settings import Settings
-from .workers.base import run_forever
+from .workers.base import SHUTDOWN_GRACE_S, WORKER_CALL_DEADLINE_S, run_forever
 from .workers.janitor import Janitor, JanitorConfig
 from .workers.replenisher import Replenisher
 from .workers.sweeper import Sweeper
@@ -511,12 +511,16 @@ async def _run(dsn: str, *, http: bool, workers: bool, settings: Settings | None
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     tasks: list[asyncio.Task[None]] = []
+    worker_tasks: list[asyncio.Task[None]] = []
     deliverer: WebhookDeliverer | None = None
     server = None
     # The workers' statements run on pools of their own business process
     # (pgreserve:sweeper, :replenisher, :janitor, :webhooks).
+    # Each of their calls has a deadline (WORKER_CALL_DEADLINE_S): a database that
+    # stops answering fails a round, logged, instead of holding it (and a shutdown).
     async with Database(dsn, max_size=5, application_name="pgreserve:workers",
                         role_pools=True, role_max_size=2,
+                        settings=TxSettings(call_deadline_s=WORKER_CALL_DEADLINE_S),
                         prepare_threshold=s.prepare_after) as database:
         service = ReservationService(database)
         if workers:
@@ -524,7 +528,8 @@ async def _run(dsn: str, *, http: bool, workers: bool, settings: Settings | None
             deliverer = WebhookDeliverer(service)
             for w in (Sweeper(service), Replenisher(service),
                       Janitor(service, JanitorConfig(keep=keep)), deliverer):
-                tasks.append(asyncio.create_task(run_forever(w, stop)))
+                worker_tasks.append(asyncio.create_task(run_forever(w, stop)))
+            tasks.extend(worker_tasks)
         if http:
             from .http.server import Listeners
 
@@ -561,11 +566,19 @@ async def _run(dsn: str, *, http: bool, workers: bool, settings: Settings | None
         stop.set()
         if server is not None:
             server.should_exit = True
-        results = await asyncio.gather(*tasks, return_exceptions=True)
+        # The workers finish their round; one still waiting on the database after
+        # SHUTDOWN_GRACE_S is cancelled (its transaction is the server's to end).
+        if worker_tasks:
+            _, late = await asyncio.wait(worker_tasks, timeout=SHUTDOWN_GRACE_S)
+            for task in late:
+                task.cancel()
+        results = [r for r in await asyncio.gather(*tasks, return_exceptions=True)
+                   if not isinstance(r, asyncio.CancelledError)]
         if server is not None and server.api.app.state.request_log is not None:
             server.api.app.state.request_log.close()
         if deliverer is not None:
-            await deliverer.aclose()  # hand back endpoint leases while the pool is open
+            with deadline(SHUTDOWN_GRACE_S):  # a lease not handed back expires
+                await deliverer.aclose()  # hand back endpoint leases while the pool is open
         stop_task.cancel()
     failed = [r for r in results if isinstance(r, BaseException)]
     if server is not None and not server.started:

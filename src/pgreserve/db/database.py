@@ -66,6 +66,11 @@ class TxSettings:
     milliseconds; 0 leaves `max_attempts` the only bound. A group-commit
     batch (a call on a `Session`) keeps `max_attempts` alone: while it
     retries, its bucket's queue waits.
+
+    `call_deadline_s`: the deadline of a call made outside any (`deadline()`,
+    `deadline=`), from its start; None (the default) sets none, and then a
+    server that stops answering (a frozen host, a partition) is waited for as
+    long as it takes. The background workers run with one.
     """
 
     lock_timeout_ms: int = 2000
@@ -75,6 +80,11 @@ class TxSettings:
     backoff_cap_s: float = 0.2
     pool_wait_s: float = 1.0
     contention_retry_s: float = 5.0
+    call_deadline_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.call_deadline_s is not None and not 0 < self.call_deadline_s <= 86400:
+            raise ValueError("call_deadline_s must be None or between 0 and 86400 seconds")
 
 
 # The monotonic time by which the calls of the current request must be done
@@ -243,6 +253,14 @@ class Database:
         head, tail = self._begin_parts
         return b"%s'%dms'%s; " % (head, statement_timeout_ms, tail)
 
+    def _end(self) -> float | None:
+        """The deadline of a call starting now without one of its own: the
+        enclosing `deadline()`, else `call_deadline_s` from now, else none."""
+        end = _deadline.get()
+        if end is None and self.settings.call_deadline_s is not None:
+            end = time.monotonic() + self.settings.call_deadline_s
+        return end
+
     def _pool_wait(self, end: float | None) -> float:
         """How long an attempt starting now may wait for a connection; _Late when
         the deadline has passed."""
@@ -355,7 +373,7 @@ class Database:
         """
         s = self.settings
         sql = tagged(sql, op)
-        end = deadline if deadline is not None else _deadline.get()
+        end = deadline if deadline is not None else self._end()
         started = time.monotonic()
         attempt = 0
         lost_before = False  # an earlier attempt's statement may have reached the database
@@ -476,7 +494,7 @@ class Database:
         the deadline, then DatabaseUnavailable (a read changes nothing); lock
         and statement timeouts are Busy."""
         s = self.settings
-        end = _deadline.get()
+        end = self._end()
         attempt = 0
         while True:
             attempt += 1
@@ -632,7 +650,7 @@ class Session:
         if self._conn is None:
             if wait is None:
                 try:
-                    wait = self._db._pool_wait(_deadline.get())
+                    wait = self._db._pool_wait(self._db._end())
                 except _Late:
                     raise PoolTimeout("the deadline passed before a connection "
                                       "was asked for") from None
@@ -680,8 +698,15 @@ async def _results(conn: psycopg.AsyncConnection[Any], end: float | None) -> lis
 
 
 async def _roll_back(conn: psycopg.AsyncConnection[Any]) -> None:
-    """End a transaction a failed call left open, so the pool gets the connection back idle."""
-    if not conn.closed and conn.info.transaction_status != pq.TransactionStatus.IDLE:
+    """End a transaction a failed call left open, so the pool gets the connection back
+    idle; a connection whose statement is still running (the call was cancelled while
+    waiting for its answer) is dropped instead (the pool discards it)."""
+    if conn.closed:
+        return
+    status = conn.info.transaction_status
+    if status == pq.TransactionStatus.ACTIVE:
+        conn.pgconn.finish()
+    elif status != pq.TransactionStatus.IDLE:
         await conn.execute(queries["transaction_rollback"])
 
 

@@ -10,6 +10,14 @@ from typing import Protocol
 
 log = logging.getLogger(__name__)
 
+# The deadline of each database call a worker makes (TxSettings.call_deadline_s):
+# past the statement_timeout and its retries, so only a database that stops
+# answering meets it; the round fails (logged) and the next one starts.
+WORKER_CALL_DEADLINE_S = 30.0
+# How long a stopping process lets its workers finish their round; then the
+# ones still waiting (on a database that does not answer) are cancelled.
+SHUTDOWN_GRACE_S = 5.0
+
 
 @dataclass(frozen=True)
 class LoopConfig:
