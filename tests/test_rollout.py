@@ -595,6 +595,28 @@ async def test_rollout_cli_sets_modes_with_who_and_plans_smallest_first(
         await set_mode(db, big.id, "sideways", "test")
 
 
+async def test_rollout_cli_reads_the_database_of_the_settings_file(
+        service: ReservationService, db: Database, tmp_path: Path) -> None:
+    """`rollout` commands take `--config FILE` and PGRESERVE_CONFIG like the other
+    commands of the service's database: its `database_url` is the database they use."""
+    await service.create_tenant("configured")
+    config = tmp_path / "pgreserve.toml"
+    config.write_text(f"database_url = {json.dumps(db.conninfo)}\nport = 8001\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PGRESERVE_")}
+    flag = await asyncio.to_thread(
+        subprocess.run, [str(BIN), "rollout", "status", "--json", "--config", str(config)],
+        capture_output=True, text=True, env=env)
+    assert flag.returncode == 0, flag.stderr
+    assert "configured" in {r["tenant"] for r in json.loads(flag.stdout)}
+    by_env = await asyncio.to_thread(
+        subprocess.run, [str(BIN), "rollout", "set", "configured", "shadow", "--by", "ops"],
+        capture_output=True, text=True, env={**env, "PGRESERVE_CONFIG": str(config)})
+    assert by_env.returncode == 0, by_env.stderr
+    modes = await db.fetch("SELECT to_mode, changed_by FROM rollout_mode_change "
+                           "JOIN tenant USING (tenant_id) WHERE tenant.name = 'configured'")
+    assert modes == [("shadow", "ops")]
+
+
 async def test_rehearsal_runs_a_shadow_sale_on_a_scratch_tenant(
         service: ReservationService, redis_server: RedisServer, db: Database) -> None:
     """`rollout rehearse` sells out a scratch tenant in shadow mode; both stores agree on

@@ -11,12 +11,11 @@ from typing import Any, TypeVar
 
 import click
 
-from .. import errors
+from .. import errors, settings
 from ..config import database_url
 from ..core.service import ReservationService
 from ..db import migrate as migrations
 from ..db.database import Database
-from ..schema_cli import schema_option
 from . import report as reports
 from .modes import Mode, set_mode
 
@@ -24,11 +23,9 @@ T = TypeVar("T")
 
 
 def _db_options(f: Any) -> Any:
-    f = click.option("--data-dir", envvar="PGRESERVE_DATA_DIR", default=None,
-                     help="Data directory of the embedded server (default ./.pgreserve/data).")(f)
-    f = schema_option(f)
-    return click.option("--database-url", envvar="PGRESERVE_DATABASE_URL", default=None,
-                        help="PostgreSQL >= 15 URL; default: the embedded server.")(f)
+    """--database-url, --schema and --data-dir, and --config FILE whose values they fall
+    back on (PGRESERVE_CONFIG), as every command of the service's database takes them."""
+    return settings.config_option(settings.options(*settings.DB_KEYS)(f))
 
 
 def _with_db(database_url_: str | None, data_dir: str | None,
