@@ -27,6 +27,7 @@ from pgreserve import errors
 from pgreserve.core.service import ReservationService
 from pgreserve.db.database import Database, deadline
 from pgreserve.domain import Status, Tenant
+from pgreserve.http import create_app
 from pgreserve.rollout import Mode, RedisHoldStore, Rollout, set_mode
 from pgreserve.rollout import report as reports
 from pgreserve.rollout.comparison import Comparison, Recorder, RolloutMetrics
@@ -439,7 +440,8 @@ async def test_a_failing_secondary_store_never_fails_the_caller(
         assert r.metrics.secondary_failures.labels("legacy", "reserve")._value.get() == 1
         await r.recorder.flush()
         _, latest = await reports.report(db, tenant.id)
-        assert [d.legacy["error"] for d in latest] == ["outcome_unknown"]
+        assert sorted((d.operation, d.legacy["error"]) for d in latest) == \
+            [("claim", "outcome_unknown"), ("reserve", "outcome_unknown")]
         assert (await service.get_stock(tenant.id, "a", "x")).on_hand == 2
     finally:
         server.stop()
@@ -637,7 +639,6 @@ async def test_http_api_serves_legacy_mode_behind_the_same_endpoints(
     """With the rollout layer, PUT /v1/stock counts both stores, and POST /v1/reservations
     and /claim of a tenant in legacy mode are answered by Redis and write no reservation
     to pgreserve."""
-    from pgreserve.http import create_app
 
     created, key = await service.create_tenant_with_key("shop")
     await set_mode(db, created.id, Mode.LEGACY, "test")
@@ -1218,3 +1219,295 @@ async def test_legacy_sale_lines_with_at_signs_each_leave_their_own_count(
     one = await service.get_stock(tenant.id, "a@b", "c")
     two = await service.get_stock(tenant.id, "a", "b@c")
     assert (one.on_hand, two.on_hand) == (9, 8)
+
+
+# -- what Redis mirrors while pgreserve answers (primary) and after ---------------------
+# A hold named by any spelling of its id, a Redis that does not answer or refuses
+# writes, a key retried across a mode switch, a shadow twin whose claim failed: Redis
+# must not be left able to sell units pgreserve sold or holds, and going back to
+# `legacy` must be refused while it missed a write.
+
+
+def spellings(rid: str) -> list[str]:
+    """Other spellings of a UUID that uuid.UUID (and so pgreserve) reads as the same."""
+    return [rid.upper(), "{" + rid + "}", rid.replace("-", ""), "urn:uuid:" + rid]
+
+
+@contextlib.contextmanager
+def refusing_writes(redis_server: RedisServer) -> Iterator[None]:
+    """Redis answers but refuses every write (maxmemory reached under noeviction)."""
+    client = redis_server.client()
+    old = (str(client.config_get("maxmemory")["maxmemory"]),
+           str(client.config_get("maxmemory-policy")["maxmemory-policy"]))
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", "1")
+    try:
+        yield
+    finally:
+        client.config_set("maxmemory", old[0])
+        client.config_set("maxmemory-policy", old[1])
+
+
+@pytest.mark.parametrize("action", ["claim", "release"])
+async def test_a_primary_hold_named_by_another_spelling_of_its_id_finishes_in_both_stores(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, action: str) -> None:
+    """In primary, a claim or release naming the hold by another spelling of its id
+    (upper case, braces, no dashes, urn:uuid:) reaches Redis's record too: Redis's hold
+    never outlives the sale and gives the sold units back."""
+    await seed(service, store, tenant.id, "a", 20, "x")
+    await set_mode(rollout.service.db, tenant.id, Mode.PRIMARY, "test")
+    for n in range(4):
+        out = await rollout.reserve(tenant.id, f"k{n}", [("a", "x", 2)], ttl=60)
+        assert out.held and out.reservation is not None
+        rid = out.reservation.id
+        spelled = spellings(rid)[n]
+        done = await getattr(rollout, action)(tenant.id, spelled)
+        assert done.id == rid
+        record = await store.record(tenant.id, rid)
+        assert record is not None
+        assert record.status == ("claimed" if action == "claim" else "released"), spelled
+    assert await store.available(tenant.id, "a", "x") == \
+        (await service.get_stock(tenant.id, "a", "x")).available
+
+
+async def test_a_primary_sale_by_another_spelling_is_not_sold_again_after_going_back(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """5 units; 2 sold in primary by an upper-case id; Redis's hold reaches its expiry;
+    after going back to legacy, Redis sells the 3 left, not 5."""
+    await seed(service, store, tenant.id, "a", 5, "x")
+    await set_mode(db, tenant.id, Mode.PRIMARY, "test")
+    out = await rollout.reserve(tenant.id, "k1", [("a", "x", 2)], ttl=1)
+    assert out.held and out.reservation is not None
+    await rollout.claim(tenant.id, out.reservation.id.upper())
+    await asyncio.sleep(1.2)
+    await rollout.expire_due()
+    await rollout.recorder.flush()
+    await set_mode(db, tenant.id, Mode.LEGACY, "test")
+    assert not (await rollout.reserve(tenant.id, "k2", [("a", "x", 4)], ttl=60)).held
+    assert (await rollout.reserve(tenant.id, "k3", [("a", "x", 3)], ttl=60)).held
+    assert await pg_sold(db, tenant.id, "a") == 2
+
+
+async def test_a_change_by_another_spelling_of_a_redis_hold_is_refused(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """A hold Redis keeps (taken in primary) cannot change, by any spelling of its id:
+    ChangeNotMirrored, and neither store changes."""
+    await seed(service, store, tenant.id, "a", 10, "x")
+    await set_mode(db, tenant.id, Mode.PRIMARY, "test")
+    out = await rollout.reserve(tenant.id, "k1", [("a", "x", 2)], ttl=60)
+    assert out.held and out.reservation is not None
+    rid = out.reservation.id
+    for n, spelled in enumerate([rid, *spellings(rid)]):
+        with pytest.raises(errors.ChangeNotMirrored):
+            await rollout.change(tenant.id, spelled, [("a", "x", 7)], request_key=f"c{n}")
+    pg = await service.get_reservation(tenant.id, rid)
+    assert [x.quantity for x in pg.lines] == [2]
+    record = await store.record(tenant.id, rid)
+    assert record is not None and [x.quantity for x in record.lines] == [2]
+
+
+async def test_a_primary_claim_while_redis_is_down_is_a_recorded_miss(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """In primary, a claim served while Redis does not answer is pgreserve's, and the
+    write Redis missed is recorded: going back to legacy is refused (RedisMissedWrites)
+    until the tenant is in primary again with nothing missed."""
+    await seed(service, store, tenant.id, "a", 5, "x")
+    await set_mode(db, tenant.id, Mode.PRIMARY, "test")
+    out = await rollout.reserve(tenant.id, "k1", [("a", "x", 2)], ttl=60)
+    assert out.held and out.reservation is not None
+    async with redis_down(rollout):
+        done = await rollout.claim(tenant.id, out.reservation.id, request_key="pay-1")
+    assert done.status is Status.CLAIMED
+    await rollout.recorder.flush()
+    rows = await db.fetch("SELECT operation, request_key, agree, legacy_outcome ->> 'error'"
+                          " FROM rollout_comparison WHERE tenant_id = %s"
+                          " AND operation = 'claim'", (tenant.id,))
+    assert rows == [("claim", "pay-1", False, "outcome_unknown")]
+    with pytest.raises(errors.RedisMissedWrites):
+        await set_mode(db, tenant.id, Mode.LEGACY, "test")
+
+
+async def test_a_redis_refusing_writes_is_a_miss_in_primary_and_503_in_legacy(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database, redis_server: RedisServer) -> None:
+    """A Redis that answers but refuses writes (out of memory under noeviction, a
+    read-only replica after a failover) is a store that did not take the write: in
+    primary a recorded miss that refuses going back; in legacy a typed, retryable 503
+    (outcome_unknown), not a 500."""
+    await seed(service, store, tenant.id, "a", 5, "x")
+    await set_mode(db, tenant.id, Mode.PRIMARY, "test")
+    with refusing_writes(redis_server):
+        held = await rollout.reserve(tenant.id, "k1", [("a", "x", 5)], ttl=60)
+    assert held.held
+    await rollout.recorder.flush()
+    with pytest.raises(errors.RedisMissedWrites):
+        await set_mode(db, tenant.id, Mode.LEGACY, "test")
+
+    shop, key = await service.create_tenant_with_key("refused")
+    await set_mode(db, shop.id, Mode.LEGACY, "test")
+    app = create_app(database=db, rollout=rollout)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                 headers={"Authorization": f"Bearer {key}"}) as client:
+        assert (await client.put("/v1/stock/x/a", json={"on_hand": 5})).status_code == 201
+        with refusing_writes(redis_server):
+            made = await client.post(
+                "/v1/reservations", headers={"Idempotency-Key": "c-1"},
+                json={"lines": [{"sku": "a", "location": "x", "quantity": 2}]})
+        assert made.status_code == 503, made.text
+        assert made.json()["code"] == "outcome_unknown" and "Retry-After" in made.headers
+        again = await client.post(
+            "/v1/reservations", headers={"Idempotency-Key": "c-1"},
+            json={"lines": [{"sku": "a", "location": "x", "quantity": 2}]})
+        assert again.status_code == 201, again.text
+    assert await store.available(shop.id, "a", "x") == 3
+
+
+@pytest.mark.parametrize("mode", [Mode.PRIMARY, Mode.PGRESERVE])
+async def test_reading_a_pgreserve_hold_needs_no_redis_once_pgreserve_answers(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database, mode: Mode) -> None:
+    """In primary, and in pgreserve while Redis may still hold older holds, a hold
+    pgreserve has is read while Redis does not answer; one only Redis has (taken in
+    legacy) is Busy then, not 404."""
+    await seed(service, store, tenant.id, "a", 5, "x")
+    await set_mode(db, tenant.id, Mode.LEGACY, "test")
+    old = await rollout.reserve(tenant.id, "k0", [("a", "x", 1)], ttl=60)
+    assert old.reservation is not None
+    await set_mode(db, tenant.id, Mode.SHADOW, "test")
+    await set_mode(db, tenant.id, Mode.PRIMARY, "test")
+    await set_mode(db, tenant.id, mode, "test")
+    out = await rollout.reserve(tenant.id, "k1", [("a", "x", 2)], ttl=60)
+    assert out.held and out.reservation is not None
+    async with redis_down(rollout):
+        got = await rollout.get_reservation(tenant.id, out.reservation.id.upper())
+        assert got.id == out.reservation.id and got.status is Status.ACTIVE
+        with pytest.raises(errors.Busy):
+            await rollout.get_reservation(tenant.id, old.reservation.id)
+
+
+async def test_a_change_while_redis_may_hold_the_cart_and_does_not_answer_is_busy(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """In the day after leaving primary, whether Redis keeps a hold is Redis's to say: a
+    change while it does not answer is Busy (retryable) and changes nothing; once it
+    answers, a hold taken in pgreserve mode changes."""
+    await seed(service, store, tenant.id, "a", 5, "x")
+    await set_mode(db, tenant.id, Mode.PRIMARY, "test")
+    await set_mode(db, tenant.id, Mode.PGRESERVE, "test")
+    out = await rollout.reserve(tenant.id, "k1", [("a", "x", 2)], ttl=60)
+    assert out.held and out.reservation is not None
+    async with redis_down(rollout):
+        with pytest.raises(errors.Busy):
+            await rollout.change(tenant.id, out.reservation.id, [("a", "x", 3)],
+                                 request_key="c1")
+    assert (await service.get_stock(tenant.id, "a", "x")).reserved == 2
+    changed = await rollout.change(tenant.id, out.reservation.id, [("a", "x", 3)],
+                                   request_key="c1")
+    assert changed.held and (await service.get_stock(tenant.id, "a", "x")).reserved == 3
+
+
+@pytest.mark.parametrize("failure", [errors.Busy, errors.OutcomeUnknown])
+async def test_a_shadow_sale_whose_twin_claim_failed_leaves_pgreserve_s_count(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database, monkeypatch: pytest.MonkeyPatch,
+        failure: type[errors.PgReserveError]) -> None:
+    """Shadow: Redis sells a hold (the caller is answered claimed) while its pgreserve
+    twin's claim fails without selling (Busy; or OutcomeUnknown, which did not commit):
+    the twin is released and the sale leaves pgreserve's count, so both stores offer
+    the same units after the twin's expiry would have passed."""
+    await seed(service, store, tenant.id, "a", 10, "x")
+    await set_mode(db, tenant.id, Mode.SHADOW, "test")
+    held = await rollout.reserve(tenant.id, "k1", [("a", "x", 2)], ttl=1)
+    assert held.held and held.reservation is not None
+
+    async def failing(*args: Any, **kwargs: Any) -> Any:
+        raise failure("the twin's claim did not get through")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(service, "claim", failing)
+        assert (await rollout.claim(tenant.id, held.reservation.id)).status is Status.CLAIMED
+    await asyncio.sleep(1.3)
+    await service.expire_due()
+    await rollout.expire_due()
+    assert await store.available(tenant.id, "a", "x") == 8
+    view = await service.get_stock(tenant.id, "a", "x")
+    assert (view.on_hand, view.available, view.reserved) == (8, 8, 0)
+    assert await service.invariant_violations() == []
+
+
+async def test_a_shadow_twin_whose_failed_claim_did_sell_is_not_counted_twice(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The twin's claim committed but its answer was lost (OutcomeUnknown): the twin is
+    claimed in pgreserve, so nothing more leaves pgreserve's count."""
+    await seed(service, store, tenant.id, "a", 10, "x")
+    await set_mode(db, tenant.id, Mode.SHADOW, "test")
+    held = await rollout.reserve(tenant.id, "k1", [("a", "x", 2)], ttl=60)
+    assert held.held and held.reservation is not None
+    claim = service.claim
+
+    async def lost_answer(*args: Any, **kwargs: Any) -> Any:
+        await claim(*args, **kwargs)
+        raise errors.OutcomeUnknown("the connection was lost after the commit")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(service, "claim", lost_answer)
+        assert (await rollout.claim(tenant.id, held.reservation.id)).status is Status.CLAIMED
+    view = await service.get_stock(tenant.id, "a", "x")
+    assert (view.on_hand, view.available) == (8, 8)
+    assert await store.available(tenant.id, "a", "x") == 8
+
+
+@pytest.mark.parametrize(("first", "then"), [(Mode.LEGACY, Mode.SHADOW),
+                                             (Mode.LEGACY, Mode.PRIMARY),
+                                             (Mode.SHADOW, Mode.PRIMARY)])
+async def test_a_key_retried_after_a_mode_switch_replays_its_first_hold(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database, first: Mode, then: Mode) -> None:
+    """A reserve held while Redis answered (legacy, shadow), retried with its key after
+    the tenant moved on: the retry replays the first hold, pgreserve keeps no second
+    one, and a claim of it sells once in each store."""
+    await seed(service, store, tenant.id, "a", 10, "x")
+    await set_mode(db, tenant.id, first, "test")
+    one = await rollout.reserve(tenant.id, "k1", [("a", "x", 2)], ttl=60)
+    assert one.held and one.reservation is not None
+    if first is Mode.LEGACY and then is Mode.PRIMARY:
+        await set_mode(db, tenant.id, Mode.SHADOW, "test")
+    await set_mode(db, tenant.id, then, "test")
+    again = await rollout.reserve(tenant.id, "k1", [("a", "x", 2)], ttl=60)
+    assert again.held and again.reservation is not None
+    assert again.reservation.id == one.reservation.id and again.replayed
+    expect_pg_held = 2 if first is Mode.SHADOW else 0  # a shadow hold's twin
+    assert (await service.get_stock(tenant.id, "a", "x")).reserved == expect_pg_held
+    done = await rollout.claim(tenant.id, one.reservation.id)
+    assert done.status is Status.CLAIMED
+    assert await store.available(tenant.id, "a", "x") == 8
+    view = await service.get_stock(tenant.id, "a", "x")
+    assert (view.on_hand - view.reserved, view.available) == (8, 8)
+    assert await service.invariant_violations() == []
+
+
+async def test_http_claim_by_an_upper_case_id_reaches_redis_in_primary(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        db: Database) -> None:
+    """Through the HTTP API: a 200 claim by an upper-case id is Redis's sale too."""
+    created, key = await service.create_tenant_with_key("shop")
+    await set_mode(db, created.id, Mode.PRIMARY, "test")
+    app = create_app(database=db, rollout=rollout)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                 headers={"Authorization": f"Bearer {key}"}) as client:
+        assert (await client.put("/v1/stock/berlin/tee", json={"on_hand": 5})).status_code == 201
+        made = await client.post("/v1/reservations", headers={"Idempotency-Key": "c-1"},
+                                 json={"lines": [{"sku": "tee", "location": "berlin",
+                                                  "quantity": 2}], "ttl_seconds": 60})
+        assert made.status_code == 201
+        rid = made.json()["id"]
+        claimed = await client.post(f"/v1/reservations/{rid.upper()}/claim")
+        assert claimed.status_code == 200 and claimed.json()["status"] == "claimed"
+        assert claimed.json()["id"] == rid
+    record = await store.record(created.id, rid)
+    assert record is not None and record.status == "claimed"

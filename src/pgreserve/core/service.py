@@ -296,7 +296,9 @@ def reservation_statuses(values: Any) -> list[str] | None:
     return sorted(wanted)
 
 
-def _reservation_id(value: Any) -> uuid.UUID:
+def parse_reservation_id(value: Any) -> uuid.UUID:
+    """A reservation id in any spelling uuid.UUID reads (upper case, braces, no dashes,
+    a urn:uuid: prefix); ReservationNotFound for anything else."""
     try:
         return uuid.UUID(str(value))
     except ValueError:
@@ -750,7 +752,7 @@ class ReservationService:
             return await self._keyed(tenant, request_key, "extend", reservation_id, ttl,
                                      shorten)
         tenant = check.tenant_id(tenant)
-        rid = _reservation_id(reservation_id)
+        rid = parse_reservation_id(reservation_id)
         life = check.ttl(ttl)
         started = perf_counter()
         try:
@@ -784,7 +786,7 @@ class ReservationService:
         """
         tenant = check.tenant_id(tenant)
         key = check.request_key(request_key)
-        rid = _reservation_id(reservation_id)
+        rid = parse_reservation_id(reservation_id)
         cart = check.cart(lines)  # sorted by (sku, location)
         fingerprint = digest("change", {
             "id": str(rid),
@@ -807,7 +809,7 @@ class ReservationService:
                      conn: psycopg.AsyncConnection[Any] | None = None) -> Reservation:
         tenant = check.tenant_id(tenant)
         key = check.request_key(request_key)
-        rid = _reservation_id(reservation_id)
+        rid = parse_reservation_id(reservation_id)
         life = check.ttl(ttl) if ttl is not None else None
         params: dict[str, Any] = {"id": str(rid)}
         if life is not None:
@@ -831,7 +833,7 @@ class ReservationService:
 
     async def get_reservation(self, tenant: int, reservation_id: str | uuid.UUID) -> Reservation:
         tenant = check.tenant_id(tenant)
-        rid = _reservation_id(reservation_id)
+        rid = parse_reservation_id(reservation_id)
         rows = await self.db.fetch(
             queries["reservation_view"],
             (tenant, rid, self.clock()), op=OPS["reservation_get"],
@@ -1125,7 +1127,7 @@ class ReservationService:
                 return await self._keyed(tenant, request_key, action, reservation_id, None,
                                          conn=conn)
             t = check.tenant_id(tenant)
-            rid = _reservation_id(reservation_id)
+            rid = parse_reservation_id(reservation_id)
             started = perf_counter()
             try:
                 doc = await self._call(sql, sql_in, (t, rid, self.clock()), OPS[action], conn)
@@ -1184,7 +1186,7 @@ class ReservationService:
         if combiner is None:
             return None
         tenant = check.tenant_id(tenant)
-        rid = _reservation_id(reservation_id)
+        rid = parse_reservation_id(reservation_id)
         key = check.request_key(request_key) if request_key is not None else None
         bucket = await self._reservation_bucket(tenant, rid)
         if bucket is None:

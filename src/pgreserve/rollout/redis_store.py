@@ -57,7 +57,10 @@ T = TypeVar("T")
 def _answered(f: Callable[Concatenate[RedisHoldStore, P], Coroutine[Any, Any, T]],
               ) -> Callable[Concatenate[RedisHoldStore, P], Coroutine[Any, Any, T]]:
     """A lost or silent Redis is OutcomeUnknown (503, retryable): a write may have been
-    applied, and a retry with the same request key replays it or applies it once."""
+    applied, and a retry with the same request key replays it or applies it once. So
+    is a Redis that answers with an error (out of memory under `noeviction`, a replica
+    that is read-only after a failover): a script stopped by an error keeps the writes
+    it made before it."""
 
     @functools.wraps(f)
     async def call(store: RedisHoldStore, /, *args: P.args, **kwargs: P.kwargs) -> T:
@@ -67,6 +70,10 @@ def _answered(f: Callable[Concatenate[RedisHoldStore, P], Coroutine[Any, Any, T]
             raise errors.OutcomeUnknown(
                 f"the legacy Redis store did not answer ({type(exc).__name__}); "
                 "retry with the same request key") from exc
+        except redis.RedisError as exc:
+            raise errors.OutcomeUnknown(
+                f"the legacy Redis store refused the command ({type(exc).__name__}: "
+                f"{exc}); retry with the same request key") from exc
 
     return call
 

@@ -39,6 +39,7 @@ from ..core.service import (
     DEFAULT_RESERVATION_PAGE,
     IfMatch,
     ReservationService,
+    parse_reservation_id,
     reserve_digest,
 )
 from ..db.database import Op
@@ -56,8 +57,10 @@ from ..domain import (
 )
 from ..errors import (
     AllocationUnavailable,
+    Busy,
     ChangeNotMirrored,
     InvalidRequest,
+    ReservationClaimed,
     ReservationExpired,
     ReservationNotFound,
     ReservationReleased,
@@ -266,13 +269,35 @@ class Rollout:
             if refused is not None:
                 return refused
         if pg is not None and pg.held and not pg.replayed:
-            if legacy.held:
+            if legacy.held and not await self._redis_answered_first(
+                    tenant, legacy, pg, twin_of=Mode.LEGACY):
                 await self._secondary(self.store.link(tenant, _rid(legacy), _rid(pg)),
                                       "legacy", "link")
             else:  # the caller was told no: nobody will claim pgreserve's hold
                 await self._secondary(self.service.release(tenant, _rid(pg)), "pgreserve",
                                       "release")
         return legacy
+
+    async def _redis_answered_first(self, tenant: int, legacy: ReserveOutcome,
+                                    pg: ReserveOutcome, *,
+                                    twin_of: Mode | None = None) -> bool:
+        """Whether Redis replayed a hold that is its own, not the mirror of `pg`'s: one
+        taken while Redis answered (in legacy or shadow; `twin_of`: in that mode only,
+        whose holds have no pgreserve twin to link), for a key retried since the
+        tenant's mode changed. Such a hold finishes where it was taken."""
+        if not (legacy.replayed and legacy.held) or (
+                pg.held and _rid(pg) == _rid(legacy)):
+            return False
+        try:
+            record = await self.store.record(tenant, _rid(legacy))
+        except Exception:  # noqa: BLE001 - Redis just answered; without it, as before
+            self.metrics.secondary_failures.labels("legacy", "read").inc()
+            return False
+        if record is None:
+            return False
+        if twin_of is not None:
+            return record.mode == twin_of.value
+        return Mode(record.mode).answers_from_redis
 
     async def _refused_by_rule_in_shadow(self, tenant: int, legacy: ReserveOutcome,
                                          pg: ReserveOutcome) -> ReserveOutcome | None:
@@ -322,6 +347,13 @@ class Rollout:
             return pg
         self._compare(tenant, Mode.PRIMARY, "reserve", key, reserve_outcome(legacy),
                       reserve_outcome(pg), _ms(started), pg_ms)
+        if await self._redis_answered_first(tenant, legacy, pg):
+            # the key's first answer was Redis's hold (taken in legacy or shadow, and
+            # finished there): it is the caller's; a hold pgreserve took now is not
+            if pg.held and not pg.replayed:
+                await self._secondary(self.service.release(tenant, _rid(pg)), "pgreserve",
+                                      "release")
+            return legacy
         if pg.replayed and not legacy.replayed:
             # Redis first sees this key now (it failed the first time): pgreserve's stored
             # answer was the caller's and stays theirs. A Redis hold beside a pgreserve
@@ -351,14 +383,22 @@ class Rollout:
         shadow or primary) raises ChangeNotMirrored and nothing changes; a hold taken in
         mode pgreserve changes as ReservationService.change does."""
         entry = await self.modes.get(tenant)
+        rid = str(parse_reservation_id(reservation_id))  # Redis knows one spelling
         if entry.redis_may_hold(utcnow()):
-            record = await self.store.record(check.tenant_id(tenant), str(reservation_id))
+            try:
+                record = await self.store.record(check.tenant_id(tenant), rid)
+            except Exception as exc:
+                if entry.mode.answers_from_redis:
+                    raise
+                # whether Redis keeps this hold (and could not change it) is unknown
+                self.metrics.secondary_failures.labels("legacy", "change").inc()
+                raise Busy(f"reservation {rid} may be held in the legacy store, which did "
+                           f"not answer ({exc}); nothing changed, retry later") from exc
             if record is not None and record.mode != Mode.PGRESERVE.value:
                 raise ChangeNotMirrored(
-                    f"reservation {reservation_id} is held in the legacy store (mode "
+                    f"reservation {rid} is held in the legacy store (mode "
                     f"{record.mode}), which cannot change a held cart")
-        return await self.service.change(tenant, reservation_id, lines,
-                                         request_key=request_key)
+        return await self.service.change(tenant, rid, lines, request_key=request_key)
 
     # -- claim and release ---------------------------------------------------------
 
@@ -376,11 +416,26 @@ class Rollout:
                               reservation_id: str | uuid.UUID) -> Reservation:
         """A reservation as the store that answered for it sees it."""
         entry = await self.modes.get(tenant)
-        if entry.redis_may_hold(utcnow()):
-            record = await self.store.record(check.tenant_id(tenant), str(reservation_id))
-            if record is not None and Mode(record.mode).answers_from_redis:
-                return record.reservation()
-        return await self.service.get_reservation(tenant, reservation_id)
+        rid = str(parse_reservation_id(reservation_id))  # Redis knows one spelling
+        if not entry.redis_may_hold(utcnow()):
+            return await self.service.get_reservation(tenant, rid)
+        try:
+            record = await self.store.record(check.tenant_id(tenant), rid)
+        except Exception as exc:
+            if entry.mode.answers_from_redis:
+                raise
+            # pgreserve answers now: its own holds are read without Redis; one it does
+            # not have may be a hold Redis answered for (taken in legacy or shadow)
+            self.metrics.secondary_failures.labels("legacy", "read").inc()
+            try:
+                return await self.service.get_reservation(tenant, rid)
+            except ReservationNotFound:
+                raise Busy(f"reservation {rid} is not pgreserve's and may be held in the "
+                           f"legacy store, which did not answer ({exc}); retry later"
+                           ) from exc
+        if record is not None and Mode(record.mode).answers_from_redis:
+            return record.reservation()
+        return await self.service.get_reservation(tenant, rid)
 
     async def list_reservations(self, tenant: int, *, reference: str | None = None,
                                 status: Iterable[str] | str | None = None,
@@ -421,14 +476,26 @@ class Rollout:
         if not entry.redis_may_hold(utcnow()):
             return await self._pg(action, tenant, reservation_id, request_key, ttl, shorten)
         tenant = check.tenant_id(tenant)
+        reservation_id = str(parse_reservation_id(reservation_id))  # Redis's one spelling
         try:
-            record = await self.store.record(tenant, str(reservation_id))
-        except Exception:
+            record = await self.store.record(tenant, reservation_id)
+        except Exception as exc:
             if entry.mode.answers_from_redis:
                 raise
-            # Redis is the secondary store now: pgreserve answers without it
+            # Redis is the secondary store now: pgreserve answers without it, and the
+            # write Redis may have missed is recorded (going back to legacy is refused)
             self.metrics.secondary_failures.labels("legacy", action).inc()
-            return await self._pg(action, tenant, reservation_id, request_key, ttl, shorten)
+            started = perf_counter()
+            try:
+                pg = await self._pg(action, tenant, reservation_id, request_key, ttl,
+                                    shorten)
+            except Exception as pg_exc:
+                self._compare(tenant, entry.mode, action, request_key or reservation_id,
+                              error_outcome(exc), error_outcome(pg_exc), 0.0, _ms(started))
+                raise
+            self._compare(tenant, entry.mode, action, request_key or reservation_id,
+                          error_outcome(exc), transition_outcome(pg), 0.0, _ms(started))
+            return pg
         if record is None or record.mode == Mode.PGRESERVE.value:
             return await self._pg(action, tenant, reservation_id, request_key, ttl, shorten)
         self.recorder.request(tenant)
@@ -467,12 +534,8 @@ class Rollout:
                                                    ttl, shorten)
                 self._compare(tenant, mode, action, compared_key, transition_outcome(legacy),
                               out, legacy_ms, pg_ms)
-                if action == "claim" and record.pg_id is not None and \
-                        out.get("error") in _NOT_SOLD_BY_TWIN:
-                    # Redis sold what pgreserve's twin no longer held (released or
-                    # expired there; not a failure that may have sold it, or may yet):
-                    # the units leave pgreserve's count as a legacy sale's do
-                    await self._secondary(self._legacy_sale(tenant, record, uncounted=True),
+                if action == "claim" and record.pg_id is not None and "error" in out:
+                    await self._secondary(self._settle_twin(tenant, record, out["error"]),
                                           "pgreserve", "legacy_sale")
                 return legacy
             started = perf_counter()
@@ -496,6 +559,21 @@ class Rollout:
             self._compare(tenant, mode, action, compared_key, legacy_out,
                           transition_outcome(pg), legacy_ms, pg_ms)
             return pg
+
+    async def _settle_twin(self, tenant: int, record: HoldRecord, error: str) -> None:
+        """Redis sold a shadow hold whose twin pgreserve did not claim (`error`). A twin
+        released or expired there did not, and will not, sell it; one whose claim failed
+        otherwise (busy, outcome unknown) is released now, unless that claim did sell
+        it. The units of a twin that sold nothing leave pgreserve's count, as a legacy
+        sale's do; left active, the twin would give them back at its expiry."""
+        if error not in _NOT_SOLD_BY_TWIN and record.pg_id is not None:
+            try:
+                await self.service.release(tenant, record.pg_id)
+            except (ReservationReleased, ReservationExpired):
+                pass  # it ended unsold meanwhile
+            except ReservationClaimed:
+                return  # the claim that failed did sell it
+        await self._legacy_sale(tenant, record, uncounted=True)
 
     async def _pg_state(self, tenant: int, pg_id: str | None) -> str | None:
         """The status pgreserve's twin of a hold shows now (None: none, or no answer)."""
