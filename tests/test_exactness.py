@@ -520,3 +520,42 @@ async def test_a_stock_change_does_not_count_holds_past_their_expiry(
     await Sweeper(timed).run_once()  # the sweeper finds nothing more to give back
     assert (await timed.get_stock(t, "s", "wh")).reserved == 2
     assert await timed.invariant_violations() == []
+
+
+async def test_a_backorder_take_waits_for_an_expired_hold_being_given_up(
+        db: Database, tenant: Tenant, dsn: str) -> None:
+    """Row bucket s: 3 on hand, a backorder allowance of 3, all 3 held by E (1 s).
+
+    C takes 2 of the allowance and stays open on s's row. B's cart (a:1, s:3) finds s
+    short and waits for the row to take from the allowance (3 committed: enough). E
+    expires; its release locks E's line and queues behind B. C commits: 1 of the
+    allowance left, and E's 3 expired units. B's units were there at every instant, so
+    B must not be refused: its give-up of expired holds skips E's line (locked by the
+    release), and B retries once that release is through instead of storing a
+    rejection of 1 for good."""
+    service = ReservationService(db)
+    await service.set_stock(tenant.id, "s", "w", 3, strategy="row", backorder_limit=3)
+    await service.set_stock(tenant.id, "a", "w", 10, strategy="row")
+    started = asyncio.get_running_loop().time()
+    held = await service.reserve(tenant.id, "E", [("s", "w", 3)], ttl=1)
+    assert held.held and held.reservation is not None
+    sql, params = reserve_sql(tenant.id, "C", "s", "w", 2)
+    with psycopg.connect(dsn) as c:
+        doc = c.execute(sql, params).fetchone()[0]  # type: ignore[index]
+        assert doc["status"] == "held", doc  # from the allowance, not committed yet
+        buyer = asyncio.create_task(
+            service.reserve(tenant.id, "B", [("a", "w", 1), ("s", "w", 3)]))
+        await wait_until_blocked(dsn)  # B, on s's row
+        assert (await service.get_stock(tenant.id, "s", "w")).available >= 3
+        # past E's expiry, within B's 2 s lock_timeout
+        await asyncio.sleep(max(0.0, started + 1.1 - asyncio.get_running_loop().time()))
+        release = asyncio.create_task(service.release(tenant.id, held.reservation.id))
+        await wait_until_blocked(dsn, 2)  # the release holds E's line, waits for s's row
+        assert (await service.get_stock(tenant.id, "s", "w")).available >= 3
+        c.commit()
+    out = await buyer
+    await release
+    assert out.held, out.short_lines
+    after = await service.get_stock(tenant.id, "s", "w")
+    assert (after.on_hand, after.reserved) == (3, 5)  # C's 2 and B's 3
+    assert await service.invariant_violations() == []

@@ -35,6 +35,7 @@ DECLARE
     v_locked integer := 0;
     b stock_bucket;
     v_pool bigint;
+    v_cut timestamptz;
 BEGIN
     ok := false;
     backordered := 0;
@@ -65,7 +66,8 @@ BEGIN
     -- expired holds count as promisable: give them up first (enough to refill the
     -- safety stock too), then read the line again: a give-up that returned no unit
     -- on hand (a hold all backordered) still gave its allowance back
-    PERFORM bucket_reclaim_expired_v1(p_tenant, p_bucket, coalesce(p_now, clock_timestamp()),
+    v_cut := coalesce(p_now, clock_timestamp());
+    PERFORM bucket_reclaim_expired_v1(p_tenant, p_bucket, v_cut,
                                       p_qty::bigint + b.safety_stock);
     SELECT * INTO b FROM stock_bucket WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
     from_free := least(p_qty - v_locked, greatest(0, b.free - b.safety_stock));
@@ -96,6 +98,15 @@ BEGIN
                                       LIMIT p_qty) s;
     IF v_pool > v_locked THEN
         RAISE EXCEPTION 'bucket % is short of units other buyers hold: retry', p_bucket
+            USING ERRCODE = 'serialization_failure';
+    END IF;
+    -- Nor while expired holds are still held: the reclaim skipped them, locked by
+    -- the transaction giving them up (a release, the sweeper), whose units (or
+    -- allowance) come back when it commits.
+    IF EXISTS (SELECT 1 FROM reservation_line l
+               WHERE l.tenant_id = p_tenant AND l.bucket_id = p_bucket
+                 AND l.held AND l.expires_at <= v_cut) THEN
+        RAISE EXCEPTION 'expired holds of bucket % are being given up: retry', p_bucket
             USING ERRCODE = 'serialization_failure';
     END IF;
     from_free := 0;
