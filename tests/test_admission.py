@@ -278,10 +278,11 @@ async def test_a_queued_batch_request_past_its_deadline_is_busy_and_never_sent(
     assert ledger_rows(dsn, "first") == 1
 
 
-async def test_a_batch_runs_under_its_earliest_deadline(
+async def test_a_batch_is_stopped_at_its_latest_deadline(
         db: Database, service: ReservationService, dsn: str) -> None:
-    """A batch whose request has a short deadline, waiting on the locked bucket, is stopped
-    at that deadline by statement_timeout: Busy, nothing of it committed."""
+    """A batch whose (latest) request has a short deadline, waiting on the locked bucket,
+    is stopped at that deadline by statement_timeout: Busy, nothing of it committed. (An
+    earlier deadline of its batch mates does not cut it: test_batch_isolation.py.)"""
     tenant = await service.create_tenant("acme")
     await service.set_stock(tenant.id, "s", "w", 10)
     bucket = await bucket_id(db, tenant.id, "s")

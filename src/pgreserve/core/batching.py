@@ -11,8 +11,10 @@ others. A full queue answers `Busy` at once.
 
 Deadlines: each request keeps its caller's deadline (`db.database.deadline`).
 One whose deadline passes while it is queued is answered `Busy` and never sent;
-the wait for the drain's connection is bounded by the earliest deadline queued,
-and a batch's call runs under the earliest deadline of its requests.
+the wait for the drain's connection is bounded by the earliest deadline queued.
+A batch's call runs to the latest deadline of its requests (one without any: the
+statement_timeout), so no request's deadline cuts the statement of the others;
+a sent request whose own deadline comes first is answered OutcomeUnknown then.
 
 Arrival order: a request the batch cannot decide (answered retry: its caller
 sends it alone, unbatched) stops the batch there. The requests after it are
@@ -121,7 +123,8 @@ class _Pending:
     end: float | None
     done: bool = False
     turn: asyncio.Event | None = None
-    timer: asyncio.TimerHandle | None = None  # its deadline, while it waits in the queue
+    timer: asyncio.TimerHandle | None = None  # its deadline, until it is answered
+    sent_until: float = 0.0  # the deadline of the batch it was last sent in
 
     def finish(self) -> None:
         self.done = True
@@ -213,14 +216,22 @@ class Combiner:
         return _Turn(pending)
 
     def _expire(self, queue: deque[_Pending], pending: _Pending) -> None:
-        """A queued request's deadline passed: Busy, unless it was sent meanwhile (its
-        batch answers it, bounded by the batch's own deadline)."""
+        """A request's deadline passed. Still queued: Busy (never sent). Sent: its
+        batch runs to its latest request's deadline, and may commit, so this one's
+        answer is OutcomeUnknown now, which its key resolves; the batch's latest
+        request is answered by the batch, which ends by then. (A deferred request put
+        back at the head of the queue is in it again: Busy.)"""
         if pending.future.done():
             return
         try:
             queue.remove(pending)
-        except ValueError:  # in a batch: the batch answers it (a deferred request put
-            return          # back at the head of the queue is in it again: Busy here)
+        except ValueError:
+            if pending.end is not None and pending.end >= pending.sent_until:
+                return  # the batch's own deadline: its statement_timeout ends it
+            _fail([pending], errors.OutcomeUnknown(
+                "the request deadline passed while its batch was in flight; retry with "
+                "the same request key"))
+            return
         self.stats.busy += 1
         _fail([pending], _late_busy())
 
@@ -311,6 +322,17 @@ class Combiner:
                 await asyncio.wait_for(pending.turn.wait(), max(0.001, bound - now))
             self._drop_late(queue)
 
+    def _batch_deadline(self, batch: Sequence[_Pending]) -> float:
+        """The deadline a batch runs to: its latest request's, so that no request's
+        nearer deadline cuts the statement of the others (each is answered at its own,
+        `_expire`); with a request that has none, the statement_timeout an unbatched
+        call of it has, and the answer is not waited for past it either (a database
+        that stops answering holds no bucket's queue for good)."""
+        ends = [p.end for p in batch]
+        if None in ends:
+            return time.monotonic() + self.db.settings.statement_timeout_ms / 1000
+        return max(e for e in ends if e is not None)
+
     def _drop_late(self, queue: deque[_Pending], busy: errors.Busy | None = None, *,
                    every: bool = False) -> None:
         """Answer Busy (`busy`, else the late one) to the queued requests past their
@@ -361,6 +383,9 @@ class Combiner:
         keyed = any(r.api_key is not None for r in requests)
         sql = queries["bucket_batch_keyed"] if keyed else queries["bucket_batch"]
         api_keys = (lit.nullable_bytea_array(r.api_key for r in requests),) if keyed else ()
+        until = self._batch_deadline(batch)
+        for pending in batch:
+            pending.sent_until = until
         try:
             answers = await self.db.call(sql, (
                 *api_keys, tenant, bucket,
@@ -373,7 +398,7 @@ class Combiner:
                 lit.nullable_text_array(None if r.reservation_id is None
                                         else str(r.reservation_id) for r in requests),
                 self.clock(), *_references(requests)),
-                op=BATCH_OP, session=session, deadline=_earliest(batch))
+                op=BATCH_OP, session=session, deadline=until)
         except (errors.Busy, errors.OutcomeUnknown) as exc:
             # shared by every request of the batch: each resolves it by its key
             _fail(batch, exc)

@@ -1,0 +1,183 @@
+"""One request's failure never fails another of its batch: its deadline, its wait for
+a lock (its key, its reservation), a connection that stops answering. Each test runs
+the same requests unbatched too, and the batch must answer its other requests as the
+unbatched path does."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import psycopg
+import pytest
+
+from pgreserve import Database, ReservationService, deadline
+from pgreserve.db.database import TxSettings
+from pgreserve.errors import Busy, OutcomeUnknown
+from test_batching import bucket_id, bucket_locked
+
+SKU, LOC = "s", "w"
+
+
+async def waiters(dsn: str, count: int) -> None:
+    """Wait until `count` backends of this database wait on a lock."""
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        for _ in range(1000):
+            cur = await conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                " AND wait_event_type = 'Lock'")
+            row = await cur.fetchone()
+            assert row is not None
+            if row[0] >= count:
+                return
+            await asyncio.sleep(0.01)
+    raise AssertionError(f"{count} backends never waited on a lock")
+
+
+async def queued(svc: ReservationService, tenant: int, bucket: int, n: int,
+                 dsn: str = "", waiting: int = 0) -> None:
+    """Until n requests are queued in the bucket's combiner (unbatched: until `waiting`
+    backends wait on a lock)."""
+    if svc.combiner is None:
+        await waiters(dsn, waiting)
+        return
+    for _ in range(1000):
+        if len(svc.combiner._queues.get((tenant, bucket), ())) >= n:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("the requests never queued")
+
+
+@pytest.mark.parametrize("batching", [True, False], ids=["batched", "unbatched"])
+async def test_a_short_deadline_does_not_fail_its_batch_mates_statement(
+        db: Database, dsn: str, batching: bool) -> None:
+    """Two requests queued behind a busy bucket leave as one batch: `hurried` with a
+    0.5 s deadline, `patient` with none. The bucket row is then held by another
+    transaction for 1 s (less than lock_timeout). Unbatched, `patient` waits the
+    second and is held; `hurried` alone is Busy. Batched, the batch runs to its latest
+    deadline: `patient` is held, and `hurried` is answered at its own deadline."""
+    svc = ReservationService(db, batching=batching)
+    tenant = (await svc.create_tenant("short-deadline-batch")).id
+    await svc.set_stock(tenant, SKU, LOC, 10)
+    assert (await svc.reserve(tenant, "warm", [(SKU, LOC, 1)])).held  # bucket id cached
+    bucket = await bucket_id(db, tenant, SKU)
+
+    async def hurried() -> Any:
+        with deadline(0.5):
+            return await svc.reserve(tenant, "hurried", [(SKU, LOC, 1)])
+
+    async with await psycopg.AsyncConnection.connect(dsn) as second:
+        with bucket_locked(dsn, bucket) as first_blocker:
+            first = asyncio.ensure_future(svc.reserve(tenant, "first", [(SKU, LOC, 1)]))
+            await waiters(dsn, 1)
+            # a second transaction queues on the row behind the first batch
+            grab = asyncio.ensure_future(second.execute(
+                "SELECT 1 FROM stock_bucket WHERE bucket_id = %s FOR UPDATE", (bucket,)))
+            await waiters(dsn, 2)
+            h = asyncio.ensure_future(hurried())
+            p = asyncio.ensure_future(svc.reserve(tenant, "patient", [(SKU, LOC, 1)]))
+            await queued(svc, tenant, bucket, 2, dsn, 4)
+            first_blocker.rollback()
+        assert (await first).held
+        await grab  # the second transaction holds the row; the batch [hurried, patient] waits
+        await asyncio.sleep(1.0)
+        await second.rollback()
+    results = await asyncio.gather(h, p, return_exceptions=True)
+    # its own deadline: Busy unbatched (the statement cut), OutcomeUnknown batched (its
+    # batch went on for the other), which the key resolves
+    assert isinstance(results[0], Busy if not batching else OutcomeUnknown), results[0]
+    assert not isinstance(results[1], BaseException), (
+        f"patient (no deadline) was failed by its batch mate's deadline: {results[1]!r}")
+    assert results[1].held
+    again = await svc.reserve(tenant, "hurried", [(SKU, LOC, 1)])
+    assert again.held and again.replayed == batching
+
+
+@pytest.mark.parametrize("batching", [True, False], ids=["batched", "unbatched"])
+async def test_a_request_behind_a_frozen_connection_is_not_left_hanging(
+        dsn: str, batching: bool) -> None:
+    """The pool's warm connection freezes (its backend SIGSTOPped: a frozen host, a
+    partition) just as a first reserve (no deadline) is sent on it. A second reserve of
+    the same bucket, no deadline either: unbatched it takes another connection of the
+    pool and is held. Batched it does not wait for good behind the frozen batch, which
+    ends at its statement_timeout (and a second): the second is held or Busy."""
+    import os
+    import signal
+
+    app = "probe-frozen"
+    async with Database(dsn, min_size=1, max_size=4, application_name=app) as db:
+        svc = ReservationService(db, batching=batching)
+        tenant = (await svc.create_tenant("frozen")).id
+        await svc.set_stock(tenant, SKU, LOC, 10)
+        assert (await svc.reserve(tenant, "warm", [(SKU, LOC, 1)])).held
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            pids = [int(r[0]) for r in conn.execute(
+                "SELECT pid FROM pg_stat_activity WHERE application_name = %s", (app,))]
+        assert len(pids) == 1, pids  # (test_unanswered.py: the same with deadlines)
+        os.kill(pids[0], signal.SIGSTOP)
+        try:
+            first = asyncio.ensure_future(svc.reserve(tenant, "first", [(SKU, LOC, 1)]))
+            await asyncio.sleep(0.5)
+            assert not first.done()
+            second = asyncio.ensure_future(svc.reserve(tenant, "second", [(SKU, LOC, 1)]))
+            done, _ = await asyncio.wait([second], timeout=20)
+            hung = not done
+        finally:
+            os.kill(pids[0], signal.SIGCONT)
+        await asyncio.gather(first, second, return_exceptions=True)
+    assert not hung, "the second request was still waiting after 20 s (a hang, no Busy)"
+    assert second.exception() is None or isinstance(second.exception(), Busy)
+
+
+async def test_http_an_old_queued_request_does_not_fail_its_fresh_batch_mates(
+        dsn: str) -> None:
+    """Over HTTP every request has the same deadline (3 s here). A request that waited in
+    the bucket's queue behind a slow batch leaves with fresh ones, and the bucket row is
+    then busy for a moment (1 s, inside the fresh requests' 3 s and lock_timeout): the
+    old request is answered 503 at its own deadline, the fresh ones wait and are held,
+    as they would be unbatched."""
+    import httpx
+
+    from pgreserve.http import create_app
+
+    settings = TxSettings(lock_timeout_ms=10_000)
+    async with Database(dsn, min_size=4, max_size=4, settings=settings) as db:
+        svc = ReservationService(db)
+        ta, key = await svc.create_tenant_with_key("shop-a")
+        tenant = ta.id
+        app = create_app(database=db, api_key_cache_s=3600, request_deadline_s=3)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test",
+                                     headers={"Authorization": f"Bearer {key}"}) as c:
+            async def reserve(k: str) -> httpx.Response:
+                return await c.post("/v1/reservations", headers={"Idempotency-Key": k},
+                                    json={"lines": [{"sku": "a", "location": "w",
+                                                     "quantity": 1}]})
+            assert (await c.put("/v1/stock/w/a", json={"on_hand": 10})).status_code == 201
+            assert (await reserve("warm")).status_code == 201
+            app_svc = app.state.service
+            bucket = await bucket_id(db, tenant, "a")
+            async with await psycopg.AsyncConnection.connect(dsn) as second:
+                with bucket_locked(dsn, bucket) as first_blocker:
+                    first = asyncio.ensure_future(reserve("first"))
+                    await waiters(dsn, 1)
+                    old = asyncio.ensure_future(reserve("old"))
+                    await queued(app_svc, tenant, bucket, 1)
+                    await asyncio.sleep(2.2)  # `old` has 0.8 s left
+                    grab = asyncio.ensure_future(second.execute(
+                        "SELECT 1 FROM stock_bucket WHERE bucket_id = %s FOR UPDATE",
+                        (bucket,)))
+                    await waiters(dsn, 2)
+                    fresh = [asyncio.ensure_future(reserve(f"fresh-{i}")) for i in range(3)]
+                    await queued(app_svc, tenant, bucket, 4)
+                    first_blocker.rollback()
+                assert (await first).status_code == 201
+                await grab
+                await asyncio.sleep(1.0)
+                await second.rollback()
+            answers = await asyncio.gather(old, *fresh)
+    assert answers[0].status_code == 503  # its own deadline: fair
+    assert answers[0].json()["code"] == "outcome_unknown"  # in flight, its batch went on
+    statuses = [(r.status_code, r.json().get("code"), r.headers.get("Retry-After"))
+                for r in answers[1:]]
+    assert statuses == [(201, None, None)] * 3, statuses
