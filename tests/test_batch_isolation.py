@@ -181,3 +181,83 @@ async def test_http_an_old_queued_request_does_not_fail_its_fresh_batch_mates(
     statuses = [(r.status_code, r.json().get("code"), r.headers.get("Retry-After"))
                 for r in answers[1:]]
     assert statuses == [(201, None, None)] * 3, statuses
+@pytest.mark.parametrize("batching", [True, False], ids=["batched", "unbatched"])
+async def test_one_requests_lock_wait_does_not_fail_its_batch_mates(
+        db: Database, dsn: str, batching: bool) -> None:
+    """A shop's own transaction changes reservation R (one line on bucket s) to add a
+    line on another bucket (conn=) and keeps its transaction open. A claim of R (the
+    payment callback) queues on s with three buyers of s. Unbatched, the buyers are
+    held at once and only the claim waits. Batched, the claim's wait for R is its own
+    (it is sent alone): its three batch mates are held."""
+    settings = TxSettings(lock_timeout_ms=1000)
+    async with Database(dsn, settings=settings) as small:
+        svc = ReservationService(small, batching=batching)
+        tenant = (await svc.create_tenant("lock-wait-batch")).id
+        await svc.set_stock(tenant, SKU, LOC, 10)
+        await svc.set_stock(tenant, "o", LOC, 10)
+        r = await svc.reserve(tenant, "r", [(SKU, LOC, 1)])
+        assert r.held and r.reservation is not None
+        rid = r.reservation.id
+        bucket = await bucket_id(small, tenant, SKU)
+
+        async with await psycopg.AsyncConnection.connect(dsn) as shop:
+            async with shop.transaction():
+                changed = await svc.change(tenant, rid, [(SKU, LOC, 1), ("o", LOC, 1)],
+                                           request_key="chg", conn=shop)
+                assert changed.held
+                with bucket_locked(dsn, bucket) as blocker:
+                    first = asyncio.ensure_future(svc.reserve(tenant, "first", [(SKU, LOC, 1)]))
+                    await waiters(dsn, 1)
+                    claim = asyncio.ensure_future(svc.claim(tenant, rid))
+                    await queued(svc, tenant, bucket, 1, dsn, 2)
+                    buyers = [asyncio.ensure_future(svc.reserve(tenant, f"b{i}",
+                                                                [(SKU, LOC, 1)]))
+                              for i in range(3)]
+                    if batching:
+                        await queued(svc, tenant, bucket, 4)
+                    blocker.rollback()
+                assert (await first).held
+                results = await asyncio.gather(*buyers, return_exceptions=True)
+                await asyncio.gather(claim, return_exceptions=True)
+        bad = [x for x in results if isinstance(x, BaseException)]
+        assert not bad, f"buyers failed by the claim's lock wait: {bad!r}"
+        assert all(x.held for x in results)
+
+
+@pytest.mark.parametrize("batching", [True, False], ids=["batched", "unbatched"])
+async def test_one_requests_key_lock_wait_does_not_fail_its_batch_mates(
+        dsn: str, batching: bool) -> None:
+    """A shop's own transaction (conn=) holds a reserve under key `dup` on bucket o and
+    is still open. A reserve with the same key for bucket s (a client retry with another
+    cart) queues on s with three buyers of s. Unbatched the buyers are held at once and
+    only `dup` waits for its key. Batched the key's wait is `dup`'s own (it is sent
+    alone): the three buyers are held."""
+    settings = TxSettings(lock_timeout_ms=1000)
+    async with Database(dsn, settings=settings) as small:
+        svc = ReservationService(small, batching=batching)
+        tenant = (await svc.create_tenant("key-wait-batch")).id
+        await svc.set_stock(tenant, SKU, LOC, 10)
+        await svc.set_stock(tenant, "o", LOC, 10)
+        assert (await svc.reserve(tenant, "warm", [(SKU, LOC, 1)])).held
+        bucket = await bucket_id(small, tenant, SKU)
+        async with await psycopg.AsyncConnection.connect(dsn) as shop:
+            async with shop.transaction():
+                assert (await svc.reserve(tenant, "dup", [("o", LOC, 1)], conn=shop)).held
+                with bucket_locked(dsn, bucket) as blocker:
+                    first = asyncio.ensure_future(svc.reserve(tenant, "first", [(SKU, LOC, 1)]))
+                    await waiters(dsn, 1)
+                    dup = asyncio.ensure_future(svc.reserve(tenant, "dup", [(SKU, LOC, 1)]))
+                    await queued(svc, tenant, bucket, 1, dsn, 2)
+                    buyers = [asyncio.ensure_future(svc.reserve(tenant, f"b{i}",
+                                                                [(SKU, LOC, 1)]))
+                              for i in range(3)]
+                    if batching:
+                        await queued(svc, tenant, bucket, 4)
+                    blocker.rollback()
+                assert (await first).held
+                results = await asyncio.gather(*buyers, return_exceptions=True)
+                await asyncio.gather(dup, return_exceptions=True)
+        bad = [x for x in results if isinstance(x, BaseException)]
+        assert not bad, f"buyers failed by another request's key wait: {bad!r}"
+        assert all(x.held for x in results)
+

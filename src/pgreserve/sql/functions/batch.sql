@@ -15,7 +15,8 @@
 --                      nothing written for that request
 --   {"retry": true}    not decidable here (a reservation of several lines, a
 --                      shortage that units other transactions hold might
---                      cover): the caller sends it alone, unbatched
+--                      cover, a request key or reservation another transaction
+--                      holds): the caller sends it alone, unbatched
 --   {"deferred": true} not decided: it came after a request answered retry.
 --                      Deciding it here would put it before that request,
 --                      which would break arrival order (a later request taking
@@ -27,9 +28,12 @@
 --                      released, expired or extended meanwhile)
 --   {"ok": {"added": n}}  a refill: n units put into the pool
 --
--- Lock order, as everywhere: request keys (advisory, in hash order), the
--- reservations to claim or release (by id), their lines, the bucket row, then
--- units and the insert-only tables.
+-- Lock order, as everywhere: request keys (advisory), the reservations to claim
+-- or release (by id), their lines, the bucket row, then units and the
+-- insert-only tables. The keys and the reservations are taken without waiting:
+-- a request whose key or reservation another transaction holds is answered
+-- retry (sent alone, where it waits for its own lock), so one request's lock
+-- wait never holds its batch mates.
 -- p_references and p_metadata (each reserve's reference and metadata; NULL: none)
 -- came later, with defaults, so a call without them still resolves to this one
 -- function (migration 0007 dropped the signature without them).
@@ -84,6 +88,8 @@ DECLARE
     v_others boolean := false;
     v_refill boolean := false;
     v_stop boolean := false;  -- a request was answered retry: the rest are deferred
+    v_wait_at integer;        -- the first request whose key another transaction holds
+    v_busy_ids uuid[];        -- reservations to claim or release locked elsewhere
     -- what the batch writes, set-based at the end
     h_ids uuid[] := '{}';
     h_keys text[] := '{}';
@@ -111,9 +117,13 @@ DECLARE
     i integer;
     j integer;
 BEGIN
-    PERFORM pg_advisory_xact_lock(h)
-    FROM (SELECT DISTINCT hashtextextended(k, p_tenant) AS h
-          FROM unnest(p_keys) AS k WHERE k IS NOT NULL ORDER BY 1) s;
+    -- A batch waits for no request's own lock: a request key another transaction
+    -- holds (the same key in flight elsewhere, a caller's open transaction) makes
+    -- that request the batch's stop (retry: its caller waits for the key alone,
+    -- unbatched) instead of holding every request of the batch until lock_timeout.
+    SELECT min(n) INTO v_wait_at
+    FROM unnest(p_keys) WITH ORDINALITY AS u(k, n)
+    WHERE k IS NOT NULL AND NOT pg_try_advisory_xact_lock(hashtextextended(k, p_tenant));
     -- A batch that may create holds takes the tenant's freeze lock shared
     -- (freeze.sql) and reads the live freezes under it, below.
     IF 'reserve' = ANY (p_kinds) THEN
@@ -133,10 +143,23 @@ BEGIN
                         SELECT x FROM unnest(p_ids, p_kinds) AS u(x, k)
                         WHERE x IS NOT NULL AND k <> 'expire'))
               ORDER BY reservation_id
-              FOR UPDATE) r;
-        -- The sweeper's expiries wait for no one (as expire_due_v1's SKIP LOCKED):
-        -- one locked elsewhere is skipped and found due again by the next sweep.
-        -- Taken after the waiting locks above, so no wait follows them.
+              FOR UPDATE SKIP LOCKED) r;
+        -- ... nor for a reservation another transaction has locked (a change in
+        -- flight, a caller's open transaction): its claim or release is the stop
+        IF coalesce(cardinality(r_ids), 0) < (SELECT count(DISTINCT x)
+                                              FROM unnest(p_ids, p_kinds) AS u(x, k)
+                                              WHERE x IS NOT NULL AND k <> 'expire') THEN
+            SELECT array_agg(reservation_id) INTO v_busy_ids
+            FROM reservation
+            WHERE tenant_id = p_tenant
+              AND reservation_id = ANY (ARRAY(
+                      SELECT x FROM unnest(p_ids, p_kinds) AS u(x, k)
+                      WHERE x IS NOT NULL AND k <> 'expire'))
+              AND reservation_id <> ALL (coalesce(r_ids, '{}'));
+        END IF;
+        -- The sweeper's expiries wait for no one either (as expire_due_v1's SKIP
+        -- LOCKED): one locked elsewhere is skipped and found due again by the
+        -- next sweep.
         SELECT r_ids || array_agg(reservation_id), r_status || array_agg(status),
                r_created || array_agg(created_at), r_expires || array_agg(expires_at),
                r_claimed || array_agg(claimed_at), r_released || array_agg(released_at),
@@ -231,6 +254,12 @@ BEGIN
     FOR i IN 1 .. v_n LOOP
         IF v_stop THEN
             v_out[i] := '{"deferred": true}';
+            CONTINUE;
+        END IF;
+        IF i = v_wait_at OR (p_kinds[i] IN ('claim', 'release')
+                             AND p_ids[i] = ANY (v_busy_ids)) THEN
+            v_out[i] := '{"retry": true}';  -- its lock is another transaction's
+            v_stop := true;
             CONTINUE;
         END IF;
         IF p_keys[i] IS NOT NULL THEN
