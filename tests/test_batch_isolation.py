@@ -200,25 +200,24 @@ async def test_one_requests_lock_wait_does_not_fail_its_batch_mates(
         rid = r.reservation.id
         bucket = await bucket_id(small, tenant, SKU)
 
-        async with await psycopg.AsyncConnection.connect(dsn) as shop:
-            async with shop.transaction():
-                changed = await svc.change(tenant, rid, [(SKU, LOC, 1), ("o", LOC, 1)],
-                                           request_key="chg", conn=shop)
-                assert changed.held
-                with bucket_locked(dsn, bucket) as blocker:
-                    first = asyncio.ensure_future(svc.reserve(tenant, "first", [(SKU, LOC, 1)]))
-                    await waiters(dsn, 1)
-                    claim = asyncio.ensure_future(svc.claim(tenant, rid))
-                    await queued(svc, tenant, bucket, 1, dsn, 2)
-                    buyers = [asyncio.ensure_future(svc.reserve(tenant, f"b{i}",
-                                                                [(SKU, LOC, 1)]))
-                              for i in range(3)]
-                    if batching:
-                        await queued(svc, tenant, bucket, 4)
-                    blocker.rollback()
-                assert (await first).held
-                results = await asyncio.gather(*buyers, return_exceptions=True)
-                await asyncio.gather(claim, return_exceptions=True)
+        async with await psycopg.AsyncConnection.connect(dsn) as shop, shop.transaction():
+            changed = await svc.change(tenant, rid, [(SKU, LOC, 1), ("o", LOC, 1)],
+                                       request_key="chg", conn=shop)
+            assert changed.held
+            with bucket_locked(dsn, bucket) as blocker:
+                first = asyncio.ensure_future(svc.reserve(tenant, "first", [(SKU, LOC, 1)]))
+                await waiters(dsn, 1)
+                claim = asyncio.ensure_future(svc.claim(tenant, rid))
+                await queued(svc, tenant, bucket, 1, dsn, 2)
+                buyers = [asyncio.ensure_future(svc.reserve(tenant, f"b{i}",
+                                                            [(SKU, LOC, 1)]))
+                          for i in range(3)]
+                if batching:
+                    await queued(svc, tenant, bucket, 4)
+                blocker.rollback()
+            assert (await first).held
+            results = await asyncio.gather(*buyers, return_exceptions=True)
+            await asyncio.gather(claim, return_exceptions=True)
         bad = [x for x in results if isinstance(x, BaseException)]
         assert not bad, f"buyers failed by the claim's lock wait: {bad!r}"
         assert all(x.held for x in results)
@@ -240,23 +239,22 @@ async def test_one_requests_key_lock_wait_does_not_fail_its_batch_mates(
         await svc.set_stock(tenant, "o", LOC, 10)
         assert (await svc.reserve(tenant, "warm", [(SKU, LOC, 1)])).held
         bucket = await bucket_id(small, tenant, SKU)
-        async with await psycopg.AsyncConnection.connect(dsn) as shop:
-            async with shop.transaction():
-                assert (await svc.reserve(tenant, "dup", [("o", LOC, 1)], conn=shop)).held
-                with bucket_locked(dsn, bucket) as blocker:
-                    first = asyncio.ensure_future(svc.reserve(tenant, "first", [(SKU, LOC, 1)]))
-                    await waiters(dsn, 1)
-                    dup = asyncio.ensure_future(svc.reserve(tenant, "dup", [(SKU, LOC, 1)]))
-                    await queued(svc, tenant, bucket, 1, dsn, 2)
-                    buyers = [asyncio.ensure_future(svc.reserve(tenant, f"b{i}",
-                                                                [(SKU, LOC, 1)]))
-                              for i in range(3)]
-                    if batching:
-                        await queued(svc, tenant, bucket, 4)
-                    blocker.rollback()
-                assert (await first).held
-                results = await asyncio.gather(*buyers, return_exceptions=True)
-                await asyncio.gather(dup, return_exceptions=True)
+        async with await psycopg.AsyncConnection.connect(dsn) as shop, shop.transaction():
+            assert (await svc.reserve(tenant, "dup", [("o", LOC, 1)], conn=shop)).held
+            with bucket_locked(dsn, bucket) as blocker:
+                first = asyncio.ensure_future(svc.reserve(tenant, "first", [(SKU, LOC, 1)]))
+                await waiters(dsn, 1)
+                dup = asyncio.ensure_future(svc.reserve(tenant, "dup", [(SKU, LOC, 1)]))
+                await queued(svc, tenant, bucket, 1, dsn, 2)
+                buyers = [asyncio.ensure_future(svc.reserve(tenant, f"b{i}",
+                                                            [(SKU, LOC, 1)]))
+                          for i in range(3)]
+                if batching:
+                    await queued(svc, tenant, bucket, 4)
+                blocker.rollback()
+            assert (await first).held
+            results = await asyncio.gather(*buyers, return_exceptions=True)
+            await asyncio.gather(dup, return_exceptions=True)
         bad = [x for x in results if isinstance(x, BaseException)]
         assert not bad, f"buyers failed by another request's key wait: {bad!r}"
         assert all(x.held for x in results)
