@@ -264,3 +264,48 @@ async def test_reconcile_and_the_bloat_monitor_read_another_schema(
     finally:
         await monitor.close()
     assert len(report.partitions) == 16
+
+
+# The tables looked up before the tenant is known: the tenant itself (by id or name) and
+# the API keys (by the key's hash). Distributed by tenant, they would be reference tables.
+GLOBAL_TABLES = {"tenant", "api_key"}
+
+
+def test_every_key_of_a_tenant_table_leads_with_the_tenant(dsn: str) -> None:
+    """docs/design.md: every primary key, unique constraint and unique index of a table
+    other than the global ones (and the migration runner's own, pgreserve_*) starts
+    with tenant_id, and every foreign key carries it
+    first on both sides, so the schema can be distributed by tenant; the global tables
+    are the two the docs name."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            """
+            SELECT c.relname, i.indexrelid::regclass::text,
+                   (SELECT a.attname FROM pg_attribute a
+                    WHERE a.attrelid = i.indrelid AND a.attnum = i.indkey[0])
+            FROM pg_index i
+            JOIN pg_class c ON c.oid = i.indrelid
+            JOIN pg_namespace n ON n.oid = c.relnamespace
+            WHERE n.nspname = 'pgreserve' AND i.indisunique AND c.relkind IN ('r', 'p')
+              AND NOT c.relispartition AND left(c.relname, 10) <> 'pgreserve_'
+            """).fetchall()
+        foreign = conn.execute(
+            """
+            SELECT c.conrelid::regclass::text, c.conname,
+                   (SELECT a.attname FROM pg_attribute a
+                    WHERE a.attrelid = c.conrelid AND a.attnum = c.conkey[1]),
+                   (SELECT a.attname FROM pg_attribute a
+                    WHERE a.attrelid = c.confrelid AND a.attnum = c.confkey[1]),
+                   c.confrelid::regclass::text
+            FROM pg_constraint c JOIN pg_namespace n ON n.oid = c.connamespace
+            WHERE n.nspname = 'pgreserve' AND c.contype = 'f'
+            """).fetchall()
+    assert rows and {table for table, _, _ in rows} >= {"stock_bucket", "reservation"}
+    bad = [(table, index, first) for table, index, first in rows
+           if table not in GLOBAL_TABLES and first != "tenant_id"]
+    assert bad == []
+    assert {table for table, _, first in rows if first != "tenant_id"} == GLOBAL_TABLES
+    bad_fk = [(table, name) for table, name, mine, theirs, target in foreign
+              if target.split(".")[-1] not in GLOBAL_TABLES
+              and (mine, theirs) != ("tenant_id", "tenant_id")]
+    assert bad_fk == []
