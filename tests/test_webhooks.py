@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import psycopg
 import pytest
@@ -339,3 +340,43 @@ def test_a_tenant_share_is_within_the_slots() -> None:
     assert WebhookConfig(concurrency=1).tenant_share == 1
     with pytest.raises(ValueError, match="per_tenant"):
         WebhookConfig(concurrency=4, per_tenant=5)
+
+
+class StallingService(ReservationService):
+    """A worker's service whose first read of the feed stalls past the lease (a worker
+    paused: a long GC, a frozen VM, a blocked event loop)."""
+
+    stall_s = 0.0
+
+    async def events(self, *args: Any, **kwargs: Any) -> Any:
+        page = await super().events(*args, **kwargs)
+        stall, self.stall_s = self.stall_s, 0.0
+        await asyncio.sleep(stall)
+        return page
+
+
+async def test_a_worker_that_stalled_past_its_lease_sends_nothing_beside_the_next(
+        dsn: str, service: ReservationService) -> None:
+    """Worker A claims the endpoint and stalls past the lease before its first send;
+    worker B claims it then and delivers. A, resumed, must not send beside B: each event
+    arrives once, in order, one at a time (a send starts only when it ends before the
+    lease does)."""
+    tenant = await service.create_tenant("stalled")
+    config = WebhookConfig(timeout_s=0.5, lease_s=2.0, backoff_base_s=0.02,
+                           backoff_cap_s=0.1, idle_poll_s=0.01,
+                           loop=LoopConfig(interval_s=0.01), allow_private=True)
+    async with receiver() as rec, Database(dsn, max_size=4) as db1, \
+            Database(dsn, max_size=4) as db2:
+        await service.add_webhook(tenant.id, f"{rec.url}/hook")
+        await make_events(service, tenant.id, 5)
+        expected = await feed_ids(service, tenant.id)
+        stalling = StallingService(db1)
+        stalling.stall_s = 2.6  # past the 2 s lease
+        async with workers(stalling, config=config):
+            await until(lambda: stalling.stall_s == 0.0)  # A has the endpoint, stalled
+            async with workers(ReservationService(db2), config=config):
+                await until(lambda: len(rec.ok()) >= len(expected))
+                await asyncio.sleep(1.2)  # A resumes meanwhile
+    got = [d.doc["id"] for d in rec.ok()]
+    assert got == expected
+    assert len(rec.seen) == len(expected)

@@ -140,6 +140,11 @@ class PublicOnlyResolver(AbstractResolver):
         await self._inner.close()
 
 
+# A send starts only if it ends (timeout_s) this long before the lease does: the
+# lease is counted from before the call that took or renewed it, on this host's clock.
+LEASE_MARGIN_S = 1.0
+
+
 @dataclass(frozen=True)
 class Claim:
     tenant: int
@@ -148,11 +153,13 @@ class Claim:
     cursor: tuple[int, int]
     url: str
     secret: str
+    lease_until: float  # monotonic time by which the lease has surely ended
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> Claim:
+    def from_json(cls, doc: dict[str, Any], lease_until: float) -> Claim:
         return cls(int(doc["tenant"]), int(doc["endpoint"]), str(doc["token"]),
-                   (int(doc["xid"]), int(doc["event_id"])), str(doc["url"]), str(doc["secret"]))
+                   (int(doc["xid"]), int(doc["event_id"])), str(doc["url"]),
+                   str(doc["secret"]), lease_until)
 
 
 class WebhookDeliverer:
@@ -218,12 +225,13 @@ class WebhookDeliverer:
 
     async def _claim(self, limit: int) -> list[Claim]:
         busy = Counter(claim.tenant for claim in self._inflight.values())
+        until = time.monotonic() + self.config.lease_s
         docs = await self.service.db.call(queries["webhook_lease"],
                                           (limit, timedelta(seconds=self.config.lease_s),
                                            self.config.tenant_share, list(busy),
                                            list(busy.values())),
                                           op=OPS["webhook_lease"])
-        return [Claim.from_json(d) for d in docs]
+        return [Claim.from_json(d, until) for d in docs]
 
     async def _release(self, claim: Claim, after_s: float) -> None:
         await self.service.db.call(queries["webhook_release"],
@@ -245,6 +253,7 @@ class WebhookDeliverer:
         cfg = self.config
         lease = timedelta(seconds=cfg.lease_s)
         cursor = claim.cursor
+        until = claim.lease_until
         sent = 0
         while sent < cfg.events_per_claim:
             page = await self.service.events(claim.tenant, after=cursor,
@@ -254,6 +263,12 @@ class WebhookDeliverer:
                 await self._release(claim, cfg.idle_poll_s)
                 return sent
             for event in page.events:
+                if time.monotonic() + cfg.timeout_s + LEASE_MARGIN_S > until:
+                    # (a worker that stalled: the send could end after the lease, when
+                    # another worker may be sending to the endpoint; a lease already
+                    # lost is not handed back, the token no longer matches)
+                    await self._release(claim, 0.0)
+                    return sent
                 error = await self._post(claim, event)
                 if error is not None:
                     self.failed_attempts += 1
@@ -265,6 +280,7 @@ class WebhookDeliverer:
                     log.info("webhooks: endpoint %s, event %s: %s (attempt %s)",
                              claim.endpoint, event.event_id, error, attempts)
                     return sent
+                renewed = time.monotonic() + cfg.lease_s
                 kept = await self.service.db.call(
                     queries["webhook_advance"],
                     (claim.tenant, claim.endpoint, claim.token, event.xid, event.event_id,
@@ -273,6 +289,7 @@ class WebhookDeliverer:
                 self.delivered += 1
                 if not kept:  # lease lost (endpoint deleted, or the lease ran out)
                     return sent
+                until = renewed
                 cursor = (event.xid, event.event_id)
         await self._release(claim, 0.0)  # more may be waiting: due again at once
         return sent
