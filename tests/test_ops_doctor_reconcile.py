@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -269,3 +271,39 @@ async def test_reconcile_counts_a_forced_shortfall_and_refuses_an_unknown_tenant
                                         "--tenant", str(t + 10_000)])
     assert missing.exit_code == 1 and f"unknown tenant {t + 10_000}" in missing.output
     assert "no drift" not in missing.output
+
+
+async def test_reconcile_repair_expires_only_what_its_check_found_overdue(
+        service: ReservationService, tenant: Tenant, dsn: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hold that passes the grace between the check and the repair (here 59.5 s past
+    its expiry at the check, the grace 60 s, the repair a second later) was not listed
+    as overdue, and the repair leaves it active: it expires what the check listed, by
+    the check's instant."""
+    from pgreserve.ops import reconcile as module
+
+    await service.set_stock(tenant.id, "s", "wh", 10)
+    rid = await held(service, tenant, "k", "s", 1)
+    old = await held(service, tenant, "k0", "s", 1)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("UPDATE reservation SET created_at = now() - interval '2 hours',"
+                     " expires_at = clock_timestamp() - interval '59.5 seconds'")
+        conn.execute("UPDATE reservation SET expires_at = now() - interval '1 hour'"
+                     " WHERE reservation_id = %s", (old,))
+        conn.execute("UPDATE reservation_line l SET expires_at = r.expires_at"
+                     " FROM reservation r WHERE (r.tenant_id, r.reservation_id)"
+                     " = (l.tenant_id, l.reservation_id)")
+    check = module._check
+
+    def slow_check(*args: Any, **kwargs: Any) -> module.Reconciliation:
+        found = check(*args, **kwargs)
+        time.sleep(1.0)  # the repair comes a second after the check
+        return found
+
+    monkeypatch.setattr(module, "_check", slow_check)
+    found = module.reconcile(dsn, grace_s=60.0, repair=True)
+    assert found.repaired == ["expired 1 overdue reservation(s) through expire_due_v2"]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows: dict[str, str] = dict(conn.execute("SELECT reservation_id::text, status FROM reservation"
+                                 ).fetchall())
+    assert (rows[old], rows[rid]) == ("expired", "active")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -67,6 +68,7 @@ class Reconciliation:
     drifts: list[Drift] = field(default_factory=list)
     repaired: list[str] = field(default_factory=list)
     frozen: list[dict[str, Any]] = field(default_factory=list)
+    overdue_cut: datetime | None = None  # a hold that expired by then was overdue
 
     def as_json(self) -> dict[str, Any]:
         return {"ok": not self.drifts, "buckets": [asdict(b) for b in self.books],
@@ -83,7 +85,7 @@ def reconcile(dsn: str, *, tenant: int | None = None, grace_s: float = 60.0,
     where = schemas.resolve(schema)
     result = _check(dsn, tenant, grace_s, where)
     if repair and any(d.repairable for d in result.drifts):
-        done = _repair(dsn, result, where, tenant, grace_s)
+        done = _repair(dsn, result, where, tenant)
         result = _check(dsn, tenant, grace_s, where)
         result.repaired = done
     if freeze:
@@ -115,7 +117,7 @@ def _freeze(dsn: str, found: Reconciliation, where: str) -> list[dict[str, Any]]
 
 
 def _check(dsn: str, tenant: int | None, grace_s: float, where: str) -> Reconciliation:
-    params = {"tenant": tenant, "grace": grace_s}
+    params: dict[str, Any] = {"tenant": tenant, "grace": grace_s}
     out = Reconciliation()
     with psycopg.connect(dsn, autocommit=True, application_name="pgreserve:reconcile") as conn:
         # One snapshot for every figure.
@@ -125,6 +127,8 @@ def _check(dsn: str, tenant: int | None, grace_s: float, where: str) -> Reconcil
                                                (tenant,)).fetchone() is None:
             conn.execute(queries["transaction_commit"])
             raise UnknownTenant(f"unknown tenant {tenant}: nothing to reconcile")
+        cut = conn.execute(queries["reconcile_overdue_cut"], params).fetchone()
+        out.overdue_cut = params["cut"] = None if cut is None else cut[0]
         out.books = [BucketBook(int(r[0]), int(r[1]), str(r[2]), str(r[3]), str(r[4]),
                                 *(int(x) for x in r[5:]))
                      for r in conn.execute(queries["bucket_book_list"], params).fetchall()]
@@ -183,10 +187,10 @@ def _check(dsn: str, tenant: int | None, grace_s: float, where: str) -> Reconcil
     return out
 
 
-def _repair(dsn: str, found: Reconciliation, where: str, tenant: int | None,
-            grace_s: float) -> list[str]:
-    """Expire the overdue reservations the check lists (of `tenant`, or every one; past
-    the grace) through expire_due_v2, the sweeper's own function."""
+def _repair(dsn: str, found: Reconciliation, where: str, tenant: int | None) -> list[str]:
+    """Expire the overdue reservations the check lists (of `tenant`, or every one;
+    expired by the check's cut, its instant less the grace) through expire_due_v2, the
+    sweeper's own function."""
     done: list[str] = []
     overdue = sum(1 for d in found.drifts if d.kind == "expired_but_active")
     with psycopg.connect(dsn, autocommit=True, application_name="pgreserve:reconcile") as conn:
@@ -194,7 +198,7 @@ def _repair(dsn: str, found: Reconciliation, where: str, tenant: int | None,
         for _ in range(max(1, overdue // 500 + 2)):  # bounded: one batch more than needed
             with schemas.transaction(conn, where):
                 row = conn.execute(tagged(queries["reservation_expire_overdue"], REPAIR),
-                                   {"tenant": tenant, "grace": grace_s}).fetchone()
+                                   {"tenant": tenant, "cut": found.overdue_cut}).fetchone()
             n = int(row[0]) if row else 0
             total += n
             if n < 500:

@@ -42,16 +42,20 @@ FROM reservation_line l JOIN reservation r USING (tenant_id, reservation_id)
 WHERE l.held AND r.status <> 'active'
   AND (%(tenant)s::bigint IS NULL OR l.tenant_id = %(tenant)s::bigint);
 
+-- name: reconcile_overdue_cut
+-- The check's instant less the grace: a hold that expired by then is overdue.
+SELECT clock_timestamp() - %(grace)s * interval '1 second';
+
 -- name: reservation_overdue_list
 -- Active past expiry for longer than the grace (the sweeper runs every second).
 SELECT tenant_id, reservation_id::text, expires_at
 FROM reservation
-WHERE status = 'active' AND expires_at < clock_timestamp() - %(grace)s * interval '1 second'
+WHERE status = 'active' AND expires_at <= %(cut)s
   AND (%(tenant)s::bigint IS NULL OR tenant_id = %(tenant)s::bigint)
 ORDER BY expires_at;
 
 -- name: reservation_expire_overdue
 -- The repair: the sweeper's own function, one batch of 500, on the database clock, of
--- the reservations the check lists (one tenant's, or all; past the grace) only.
-SELECT expire_due_v2(500, NULL, %(tenant)s::bigint,
-                     clock_timestamp() - %(grace)s * interval '1 second');
+-- the reservations the check listed (one tenant's, or all; overdue at the check's
+-- cut, so none that became overdue since) only.
+SELECT expire_due_v2(500, NULL, %(tenant)s::bigint, %(cut)s);
