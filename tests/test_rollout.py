@@ -1511,3 +1511,34 @@ async def test_http_claim_by_an_upper_case_id_reaches_redis_in_primary(
         assert claimed.json()["id"] == rid
     record = await store.record(created.id, rid)
     assert record is not None and record.status == "claimed"
+
+
+@pytest.mark.parametrize("first", [Mode.LEGACY, Mode.SHADOW])
+async def test_a_key_redis_answered_first_keeps_its_answer_through_the_move_to_pgreserve(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database, first: Mode) -> None:
+    """A key held (or refused) while Redis answered, retried in every later mode, up to
+    pgreserve while Redis may still hold the tenant's holds: every retry replays the
+    first answer, and pgreserve keeps no answer (no hold) of its own under that key."""
+    await seed(service, store, tenant.id, "a", 3, "x")
+    await set_mode(db, tenant.id, first, "test")
+    one = await rollout.reserve(tenant.id, "k1", [("a", "x", 2)], ttl=600)
+    short = await rollout.reserve(tenant.id, "k2", [("a", "x", 2)], ttl=600)
+    assert one.held and one.reservation is not None and not short.held
+    for then in [Mode.SHADOW, Mode.PRIMARY, Mode.PGRESERVE]:
+        await set_mode(db, tenant.id, then, "test")
+        again = await rollout.reserve(tenant.id, "k1", [("a", "x", 2)], ttl=600)
+        assert again.reservation is not None and again.replayed, then
+        assert again.reservation.id == one.reservation.id, then
+        refused = await rollout.reserve(tenant.id, "k2", [("a", "x", 2)], ttl=600)
+        assert not refused.held and refused.replayed, then
+    ledger = await db.fetch("SELECT request_key FROM request_ledger WHERE tenant_id = %s"
+                            " AND request_key IN ('k1', 'k2')", (tenant.id,))
+    twins = 1 if first is Mode.SHADOW else 0  # a shadow hold's twin, and its refusal
+    assert len(ledger) == 2 * twins
+    done = await rollout.claim(tenant.id, one.reservation.id)
+    assert done.status is Status.CLAIMED
+    assert await store.available(tenant.id, "a", "x") == 1
+    view = await service.get_stock(tenant.id, "a", "x")
+    assert (view.on_hand - view.reserved, view.available) == (1, 1)
+    assert await service.invariant_violations() == []

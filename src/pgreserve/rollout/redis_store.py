@@ -95,7 +95,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local doc
 if #short > 0 then
-  doc = cjson.encode({held = false, short = short, fp = ARGV[7]})
+  doc = cjson.encode({held = false, short = short, fp = ARGV[7], mode = ARGV[5]})
   redis.call('SET', KEYS[1], doc, 'PX', ARGV[6])
   return {'short', doc}
 end
@@ -330,6 +330,28 @@ class RedisHoldStore:
         short = tuple(ShortLine(cart[int(i) - 1].sku, cart[int(i) - 1].location, int(want),
                                 int(have)) for i, want, have in doc["short"])
         return ReserveOutcome(False, None, short, replayed)
+
+    @_answered
+    async def answered(self, tenant: int, request_key: str, fingerprint: str,
+                       cart: Sequence[Line]) -> tuple[ReserveOutcome, str] | None:
+        """The answer Redis keeps under a request key, as its replay, with the mode it
+        was given in (its hold's; a refusal's own, '' when it predates the field);
+        None when Redis keeps none or its hold record is gone. Writes nothing."""
+        raw = await self.redis.get(self.key(tenant, "req", request_key))
+        if raw is None:
+            return None
+        doc = json.loads(raw)
+        if doc["fp"] != fingerprint:
+            raise errors.IdempotencyKeyReused(
+                "this request key was used before with other parameters")
+        if doc["held"]:
+            record = await self.record(tenant, doc["id"])
+            if record is None:
+                return None
+            return ReserveOutcome(True, record.reservation(True), (), True), record.mode
+        short = tuple(ShortLine(cart[int(i) - 1].sku, cart[int(i) - 1].location, int(want),
+                                int(have)) for i, want, have in doc["short"])
+        return ReserveOutcome(False, None, short, True), str(doc.get("mode", ""))
 
     @_answered
     async def record(self, tenant: int, hold_id: str) -> HoldRecord | None:

@@ -59,6 +59,7 @@ from ..errors import (
     AllocationUnavailable,
     Busy,
     ChangeNotMirrored,
+    IdempotencyKeyReused,
     InvalidRequest,
     ReservationClaimed,
     ReservationExpired,
@@ -216,13 +217,17 @@ class Rollout:
 
         Redis keeps no reference or metadata: while it answers (legacy, shadow), a
         reserve that gives either raises UnsupportedInRolloutMode."""
-        mode = (await self.modes.get(tenant)).mode
-        if mode is Mode.PGRESERVE:
+        entry = await self.modes.get(tenant)
+        mode = entry.mode
+        if mode is Mode.PGRESERVE and not entry.redis_may_hold(utcnow()):
             return await self.service.reserve(tenant, request_key, lines, ttl=ttl,
                                               reference=reference, metadata=metadata)
         tenant = check.tenant_id(tenant)
         key = check.request_key(request_key)
         lines = check.line_list(lines)
+        if check.allocates(lines) and mode is Mode.PGRESERVE:
+            return await self.service.reserve(tenant, key, lines, ttl=ttl,
+                                              reference=reference, metadata=metadata)
         if check.allocates(lines):
             # Redis keeps one counter per (sku, location) and mirrors each cart line as
             # given: it cannot allocate, nor mirror an allocation before it is made.
@@ -237,13 +242,42 @@ class Rollout:
                 f"the tenant is in rollout mode {mode.value}: the legacy store answers and "
                 "keeps no reference or metadata")
         fingerprint = reserve_digest(cart, life, ref, meta)
+        if mode is Mode.PGRESERVE:
+            # the day after leaving primary: a key Redis answered first keeps that answer
+            first = await self._redis_first(tenant, key, fingerprint, cart, Mode.SHADOW)
+            if first is not None:
+                return first
+            return await self.service.reserve(tenant, key, cart, ttl=life, reference=ref,
+                                              metadata=meta)
         self.recorder.request(tenant)
         if mode is Mode.LEGACY:
             return await self.store.reserve(tenant, key, fingerprint, cart, life)
         async with self.locks.hold(tenant, cart):
             if mode is Mode.SHADOW:
                 return await self._reserve_shadow(tenant, key, fingerprint, cart, life)
+            first = await self._redis_first(tenant, key, fingerprint, cart, Mode.SHADOW)
+            if first is not None:
+                return first
             return await self._reserve_primary(tenant, key, fingerprint, cart, life, ref, meta)
+
+    async def _redis_first(self, tenant: int, key: str, fingerprint: str,
+                           cart: list[Line], last: Mode) -> ReserveOutcome | None:
+        """The answer Redis gave first to this key while it answered (legacy, and up to
+        `last`: shadow, whose hold finishes in both stores), replayed as it stands; None
+        when there is none (or Redis does not answer: pgreserve decides). pgreserve is
+        not asked then, so it keeps no answer of its own under the key."""
+        answering = {Mode.LEGACY.value} | ({Mode.SHADOW.value} if last is Mode.SHADOW
+                                           else set())
+        try:
+            found = await self.store.answered(tenant, key, fingerprint, cart)
+        except IdempotencyKeyReused:
+            raise
+        except Exception:  # noqa: BLE001 - Redis is the secondary store here
+            self.metrics.secondary_failures.labels("legacy", "read").inc()
+            return None
+        if found is None or found[1] not in answering:
+            return None
+        return found[0]
 
     async def _reserve_shadow(self, tenant: int, key: str, fingerprint: str,
                               cart: list[Line], life: timedelta) -> ReserveOutcome:
@@ -261,6 +295,8 @@ class Rollout:
                                       "release")
             raise
         legacy_ms = _ms(started)
+        if legacy.replayed and await self._answered_in_legacy(tenant, key, fingerprint, cart):
+            return legacy  # the key's first answer was legacy's: pgreserve has no part in it
         pg, pg_out, pg_ms = await self._pg_reserve(tenant, key, cart, life)
         self._compare(tenant, Mode.SHADOW, "reserve", key, reserve_outcome(legacy), pg_out,
                       legacy_ms, pg_ms)
@@ -277,6 +313,11 @@ class Rollout:
                 await self._secondary(self.service.release(tenant, _rid(pg)), "pgreserve",
                                       "release")
         return legacy
+
+    async def _answered_in_legacy(self, tenant: int, key: str, fingerprint: str,
+                                  cart: list[Line]) -> bool:
+        """Whether Redis's answer to this key was given in mode legacy."""
+        return await self._redis_first(tenant, key, fingerprint, cart, Mode.LEGACY) is not None
 
     async def _redis_answered_first(self, tenant: int, legacy: ReserveOutcome,
                                     pg: ReserveOutcome, *,
