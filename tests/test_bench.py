@@ -272,3 +272,30 @@ def test_http_bench_without_wrk_fails_cleanly(tmp_path: Path,
     assert "wrk is not on PATH" in result.output and "apt-get install wrk" in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
     assert "Traceback" not in result.output
+
+
+def _rated_run(strategy: str, batching: bool, held_per_s: float) -> Any:
+    """A run of 10 holds at `held_per_s`, then 10 sold-out answers (no database)."""
+    from pgreserve.bench.results import HELD, REJECTED, RunResult, Sample
+
+    scenario = Scenario(units=10, requests=20, strategies=("row", "pool"),
+                        batching=(batching,))
+    samples = [Sample(i, 0.0, (i + 1) / held_per_s, HELD, 1) for i in range(10)]
+    samples += [Sample(10 + i, 0.0, 10 / held_per_s + (i + 1) * 0.001, REJECTED, 0)
+                for i in range(10)]
+    return RunResult(strategy, scenario, samples, 1.0, batching=batching)
+
+
+def test_pool_over_row_names_the_mode_it_compares() -> None:
+    """`pool_over_row_reservations_per_s` is the batched runs' ratio and nothing else:
+    with only unbatched runs (--batching off) it is absent and the ratio is under
+    `pool_over_row_unbatched_reservations_per_s`; with both, each has its own name."""
+    from pgreserve.bench.results import ratios
+
+    off = ratios([_rated_run("row", False, 100.0), _rated_run("pool", False, 300.0)])
+    assert "pool_over_row_reservations_per_s" not in off
+    assert off["pool_over_row_unbatched_reservations_per_s"] == pytest.approx(3.0, rel=1e-3)
+    both = ratios([_rated_run("row", True, 100.0), _rated_run("row", False, 50.0),
+                   _rated_run("pool", True, 200.0), _rated_run("pool", False, 200.0)])
+    assert both["pool_over_row_reservations_per_s"] == pytest.approx(2.0, rel=1e-3)
+    assert both["pool_over_row_unbatched_reservations_per_s"] == pytest.approx(4.0, rel=1e-3)

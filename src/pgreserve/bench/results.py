@@ -319,8 +319,9 @@ def ratios(runs: Sequence[Rated]) -> dict[str, float | None]:
 
     Flash-sale runs (they have `batching`) are named by strategy and mode: batched
     over unbatched holds/s and p99 latency per strategy, and the sold-out rate over
-    each mode's hold rate; pool/row compares the batched runs (the unbatched ones
-    under `pool_over_row_unbatched_reservations_per_s`)."""
+    each mode's hold rate; `pool_over_row_reservations_per_s` compares the batched
+    runs only (absent without them), the unbatched ones are under
+    `pool_over_row_unbatched_reservations_per_s`."""
     out: dict[str, float | None] = {}
     if not all(hasattr(r, "batching") for r in runs):
         by = {r.strategy: r for r in runs}
@@ -336,10 +337,11 @@ def ratios(runs: Sequence[Rated]) -> dict[str, float | None]:
     modes = {(r.strategy, r.mode): r for r in flash}
     mode_order = [m for m in ("batched", "service", "unbatched")
                   if any(r.mode == m for r in flash)]
-    for index, mode in enumerate(mode_order):
+    for mode in mode_order:
         row, pool = modes.get(("row", mode)), modes.get(("pool", mode))
         if row and pool:
-            name = "pool_over_row_reservations_per_s" if index == 0 \
+            # the bare name is the batched runs' figure only, never another mode's
+            name = "pool_over_row_reservations_per_s" if mode == "batched" \
                 else f"pool_over_row_{mode}_reservations_per_s"
             out[name] = _div(pool.reservations_per_s, row.reservations_per_s)
     for strategy in dict.fromkeys(r.strategy for r in flash):
