@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -299,3 +300,35 @@ def test_pool_over_row_names_the_mode_it_compares() -> None:
                    _rated_run("pool", True, 200.0), _rated_run("pool", False, 200.0)])
     assert both["pool_over_row_reservations_per_s"] == pytest.approx(2.0, rel=1e-3)
     assert both["pool_over_row_unbatched_reservations_per_s"] == pytest.approx(4.0, rel=1e-3)
+
+
+def test_default_processes_fit_the_cpus_this_process_may_use(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default --processes is one per CPU the bench may run on (its affinity, not the
+    host's count), at most the cap of 32 and at most --buyers: on a 48-CPU host the
+    default sale no longer fails on an option it was never given."""
+    from pgreserve.bench import cli
+    from pgreserve.bench.scenario import MAX_PROCESSES
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 48)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(48)), raising=False)
+    assert cli.default_processes(64) == MAX_PROCESSES == 32
+    assert cli.default_processes(5) == 5
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3, 7})  # taskset, cgroups
+    assert cli.default_processes(64) == 3
+
+    def unavailable(pid: int) -> set[int]:
+        raise OSError("no affinity here")
+
+    monkeypatch.setattr(os, "sched_getaffinity", unavailable)
+    assert cli.default_processes(64) == 32
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert cli.default_processes(64) == 1
+
+    # the whole command with its defaults: the options are accepted, whatever the
+    # (here unreachable) database then does
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(48)))
+    result = CliRunner().invoke(make_flash_sale(), [
+        "--quiet", "--database-url", "postgresql://nobody@127.0.0.1:1/none"])
+    assert "processes must be" not in result.output, result.output
+    assert "at most 32" in CliRunner().invoke(make_flash_sale(), ["--help"]).output

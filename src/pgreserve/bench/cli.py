@@ -28,7 +28,7 @@ from ..db.embedded import EmbeddedServer
 from ..errors import InvalidRequest
 from ..schema_cli import schema_option
 from .http import HttpTarget
-from .scenario import Scenario
+from .scenario import MAX_PROCESSES, Scenario
 
 if TYPE_CHECKING:
     from .results import RunResult
@@ -97,6 +97,17 @@ def _migrated(url: str | None, durable: bool) -> Iterator[tuple[str, str]]:
         yield dsn, where
 
 
+def default_processes(buyers: int) -> int:
+    """One client process per CPU this process may run on (its affinity: taskset,
+    cpusets; the host's count where that is unknown), at most MAX_PROCESSES and at
+    most `buyers`."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, MAX_PROCESSES, buyers))
+
+
 def _commit_mode(durable: bool) -> str:
     return f"synchronous_commit={'on' if durable else 'off'}"
 
@@ -110,9 +121,10 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
     @click.option("--buyers", type=int, default=64, show_default=True,
                   help="Concurrent buyers, one connection each.")
     @click.option("--processes", type=int, default=None,
-                  help="Client processes the buyers are spread over, each an asyncio loop "
-                       "[default: one per CPU for --target library, at most --buyers; 1 for "
-                       "--target http].")
+                  help="Client processes the buyers are spread over, each an asyncio loop, "
+                       f"at most {MAX_PROCESSES} [default: one per CPU this process may run "
+                       f"on for --target library, at most {MAX_PROCESSES} and at most "
+                       "--buyers; 1 for --target http].")
     @click.option("--requests", "requests_", type=int, default=None,
                   help="Reserve requests in total, retries included [default: 3 x units x skus].")
     @click.option("--quantity", type=int, default=1, show_default=True, help="Units per request.")
@@ -199,7 +211,7 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
                                      param_hint="--target")
         strategies = ("row", "pool") if strategy == "all" else (strategy,)
         if processes is None:
-            processes = 1 if target == "http" else max(1, min(os.cpu_count() or 1, buyers))
+            processes = 1 if target == "http" else default_processes(buyers)
         elif target == "http" and processes != 1:
             raise click.BadParameter("--target http runs its buyers in one process",
                                      param_hint="--processes")
