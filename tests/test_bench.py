@@ -332,3 +332,43 @@ def test_default_processes_fit_the_cpus_this_process_may_use(
         "--quiet", "--database-url", "postgresql://nobody@127.0.0.1:1/none"])
     assert "processes must be" not in result.output, result.output
     assert "at most 32" in CliRunner().invoke(make_flash_sale(), ["--help"]).output
+
+
+@pytest.mark.parametrize(("command", "option"), [
+    (["flash-sale"], "--json"), (["flash-sale"], "--plot"), (["server"], "--json"),
+    (["http", "--seconds", "1"], "--json")])
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(
+        tmp_path: Path, command: list[str], option: str) -> None:
+    """--json or --plot in a directory that does not exist, or that is not writable, is a
+    usage error naming the option, before anything runs (the database URL here leads
+    nowhere: the run would fail otherwise)."""
+    from pgreserve.bench.cli import bench
+
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    for target in (tmp_path / "missing-dir" / "out", locked / "out"):
+        if target.parent == locked and os.access(locked, os.W_OK):
+            continue  # root writes anywhere
+        result = CliRunner().invoke(bench, [
+            *command, "--database-url", "postgresql://nobody@127.0.0.1:1/none",
+            option, str(target)])
+        assert result.exit_code == 2, (result.exit_code, result.output, result.exception)
+        assert option in result.output and str(target.parent) in result.output
+
+
+def test_a_failed_write_of_the_json_is_an_error_not_a_traceback(
+        dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The directory was fine before the run and the write fails after it (disk full,
+    removed meanwhile): one error line, exit 1, no traceback."""
+    from pgreserve.bench import report
+
+    def full(path: Any, doc: Any) -> None:
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(report, "write_json", full)
+    code, _, output = invoke(dsn, tmp_path, "--units", "5", "--buyers", "1",
+                             "--requests", "5", "--strategy", "row", "--batching", "on",
+                             "--quiet")
+    assert code == 1, output
+    assert "--json" in output and "No space left on device" in output
+    assert "Traceback" not in output

@@ -13,7 +13,7 @@ import importlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -74,13 +74,43 @@ def _database(url: str | None, durable: bool) -> Iterator[tuple[str, str]]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _output_path(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """An output file's path, refused before the run when it cannot be written: its
+    directory missing or not writable, or the path a directory."""
+    if value is None:
+        return None
+    path = Path(value)
+    parent = path.parent
+    if not parent.is_dir():
+        raise click.BadParameter(f"directory {str(parent)!r} does not exist", ctx, param)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise click.BadParameter(f"directory {str(parent)!r} is not writable", ctx, param)
+    if path.is_dir():
+        raise click.BadParameter(f"{value!r} is a directory", ctx, param)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise click.BadParameter(f"{value!r} is not writable", ctx, param)
+    return value
+
+
+def _write(option: str, path: str, write: Callable[[], None], err: Console) -> None:
+    """Write an output file; an OSError is a one-line error naming the option, not a
+    traceback after the whole run."""
+    try:
+        write()
+    except OSError as exc:
+        raise click.ClickException(f"could not write {option} {path}: "
+                                   f"{exc.strerror or exc}") from None
+    err.print(f"wrote {path}")
+
+
 def _run_options(f: Any) -> Any:
     """--durable, --json and --database-url, as `bench server` and `bench http` take them."""
     for option in reversed([
             click.option("--durable/--no-durable", default=True, show_default=True,
                          help="synchronous_commit on (durable commits) or off."),
             click.option("--json", "json_path", type=click.Path(dir_okay=False),
-                         default=None, help="Write every figure to this JSON file."),
+                         default=None, callback=_output_path,
+                         help="Write every figure to this JSON file."),
             click.option("--database-url", envvar="PGRESERVE_BENCH_DATABASE_URL",
                          default=None, help="Run against this PostgreSQL instead of a "
                                             "fresh embedded server."),
@@ -162,8 +192,9 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
                   help="synchronous_commit on (durable commits) or off.")
     @click.option("--seed", type=int, default=1, show_default=True)
     @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
-                  help="Write every figure to this JSON file.")
+                  callback=_output_path, help="Write every figure to this JSON file.")
     @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+                  callback=_output_path,
                   help="Write a PNG of latency over time and its distribution.")
     @click.option("--quiet", is_flag=True, help="No progress bar.")
     @click.option("--database-url", envvar="PGRESERVE_BENCH_DATABASE_URL", default=None,
@@ -250,11 +281,9 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
             extra["api"] = http.url or "started by the bench (uvicorn, in-process, 127.0.0.1)"
         doc = report.document(scenario, runs, extra)
         if json_path:
-            report.write_json(json_path, doc)
-            err.print(f"wrote {json_path}")
+            _write("--json", json_path, lambda: report.write_json(json_path, doc), err)
         if plot_path:
-            report.write_plot(plot_path, runs)
-            err.print(f"wrote {plot_path}")
+            _write("--plot", plot_path, lambda: report.write_plot(plot_path, runs), err)
         if not all(run.invariants_ok for run in runs):
             err.print("[bold red]invariants failed[/]")
             raise SystemExit(1)
@@ -353,12 +382,11 @@ def server_bench(units: int, requests_: int, clients: int, strategy: str, pool_c
     for name, value in figures.items():
         out.print(f"  {name}: {'n/a' if value is None else f'{value:.2f}'}")
     if json_path:
-        report.write_json(json_path, {
-            "runs": [run.to_dict() for run in runs], "ratios": figures,
-            "config": {"client": "pgbench (prepared)", "units": held, "rejections": rejections,
-                       "clients": clients, "pool_cap": pool_cap, "replenish": replenish,
-                       "durable": durable, "database": where}})
-        err.print(f"wrote {json_path}")
+        doc = {"runs": [run.to_dict() for run in runs], "ratios": figures,
+               "config": {"client": "pgbench (prepared)", "units": held,
+                          "rejections": rejections, "clients": clients, "pool_cap": pool_cap,
+                          "replenish": replenish, "durable": durable, "database": where}}
+        _write("--json", json_path, lambda: report.write_json(json_path, doc), err)
     if not all(run.invariants_ok for run in runs):
         err.print("[bold red]invariants failed[/]")
         raise SystemExit(1)
@@ -450,13 +478,13 @@ def http_bench(seconds: int, rounds: int, warmup: int, connections: int, threads
               + "  (by round: " + ", ".join("n/a" if r is None else f"{r:.2f}"
                                             for r in result.round_ratios()) + ")")
     if json_path:
-        report.write_json(json_path, {**result.to_dict(), "config": {
+        doc = {**result.to_dict(), "config": {
             "seconds": seconds, "rounds": rounds, "warmup": warmup,
             "connections": connections,
             "threads": threads, "workers": workers, "strategy": strategy, "units": units,
             "pool_cap": pool_cap, "durable": durable, "database": where,
-            "client": "wrk (Lua: POST /v1/reservations, one-line cart, fresh Idempotency-Key)"}})
-        err.print(f"wrote {json_path}")
+            "client": "wrk (Lua: POST /v1/reservations, one-line cart, fresh Idempotency-Key)"}}
+        _write("--json", json_path, lambda: report.write_json(json_path, doc), err)
     if not result.ok:
         for violation in result.violations[:10]:
             out.print(f"  [red]violation[/] {violation}")
