@@ -372,3 +372,67 @@ def test_a_failed_write_of_the_json_is_an_error_not_a_traceback(
     assert code == 1, output
     assert "--json" in output and "No space left on device" in output
     assert "Traceback" not in output
+
+
+def test_the_filesystem_of_a_path_is_its_longest_mount_point(tmp_path: Path) -> None:
+    """/proc/self/mounts read by the longest mount point containing the path (the later
+    one when mounted over another; escaped spaces read back); None without a table."""
+    from pgreserve.bench.durability import filesystem_of
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text("/dev/vda / ext4 rw 0 0\n"
+                      "tmpfs /scratch tmpfs rw 0 0\n"
+                      "/dev/vdb /scratch/disk xfs rw 0 0\n"
+                      "tmpfs /scratchx tmpfs rw 0 0\n"
+                      "/dev/vdc /srv/my\\040data btrfs rw 0 0\n"
+                      "/dev/vdd /srv/my\\040data ext4 rw 0 0\n")
+    assert filesystem_of("/scratch/pgreserve-bench-1/data", mounts) == "tmpfs"
+    assert filesystem_of("/scratch", mounts) == "tmpfs"
+    assert filesystem_of("/scratch/disk/data", mounts) == "xfs"
+    assert filesystem_of("/scratchdata", mounts) == "ext4"  # /scratch is no prefix of it
+    assert filesystem_of("/srv/my data/pg", mounts) == "ext4"
+    assert filesystem_of("/srv/my", mounts) == "ext4"
+    assert filesystem_of("/scratch", tmp_path / "no-such-table") is None
+
+
+def test_durability_is_read_back_from_the_server(dsn: str, tmp_path: Path) -> None:
+    """The test server runs with fsync, full_page_writes and synchronous_commit off: a run
+    asked to be durable says why it is not; a data directory on tmpfs is one more
+    reason; a running service's sessions are judged by the server's default."""
+    from pgreserve.bench.durability import read_durability
+
+    found = read_durability(dsn, durable=True, data_dir=None)
+    assert (found.fsync, found.full_page_writes) == ("off", "off")
+    assert found.synchronous_commit == "on"  # the bench's own sessions set it
+    assert found.synchronous_commit_default == "off"
+    assert found.durable is False and len(found.reasons) == 2
+    service = read_durability(dsn, durable=True, data_dir=None, service_sessions=True)
+    assert any("synchronous_commit is off" in r for r in service.reasons)
+    shm = Path("/dev/shm")  # noqa: S108 - only read: is it tmpfs here
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        from pgreserve.bench.durability import filesystem_of
+
+        if filesystem_of(shm) == "tmpfs":
+            on_tmpfs = read_durability(dsn, durable=True, data_dir=shm)
+            assert on_tmpfs.filesystem == "tmpfs"
+            assert any("on tmpfs" in r for r in on_tmpfs.reasons)
+    relaxed = read_durability(dsn, durable=False, data_dir=None)
+    assert relaxed.durable is False and relaxed.synchronous_commit == "off"
+
+
+def test_a_run_asked_durable_on_a_server_that_is_not_says_so(dsn: str, tmp_path: Path) -> None:
+    """--durable (the default) against a server with fsync off: the run goes on, warns,
+    and its JSON records what the server said and "durable": false."""
+    code, doc, output = invoke(dsn, tmp_path, "--units", "5", "--buyers", "1",
+                               "--requests", "5", "--strategy", "row", "--batching", "on",
+                               "--quiet")
+    assert code == 0, output
+    said = " ".join(output.split())  # the console wraps its lines
+    assert "not durable" in said and "fsync is off" in said
+    config = doc["config"]
+    assert config["durable"] is False
+    assert config["durability"]["requested"] is True
+    assert config["durability"]["fsync"] == "off"
+    assert config["durability"]["full_page_writes"] == "off"
+    assert config["durability"]["synchronous_commit"] == "on"
+    assert config["durability"]["data_directory"] is None  # an external database

@@ -31,6 +31,7 @@ from .http import HttpTarget
 from .scenario import MAX_PROCESSES, Scenario
 
 if TYPE_CHECKING:
+    from .durability import Durability
     from .results import RunResult
     from .runner import BeforeCheck
 
@@ -59,19 +60,36 @@ def bench() -> None:
 
 
 @contextmanager
-def _database(url: str | None, durable: bool) -> Iterator[tuple[str, str]]:
-    """Yield (dsn, where): the given URL, or a fresh embedded server in a temporary directory."""
+def _database(url: str | None, durable: bool) -> Iterator[tuple[str, str, Path | None]]:
+    """Yield (dsn, where, data directory): the given URL (no data directory known), or a
+    fresh embedded server in a temporary directory."""
     if url:
-        yield url, "external database"
+        yield url, "external database", None
         return
     root = Path(tempfile.mkdtemp(prefix="pgreserve-bench-"))
     server = EmbeddedServer(root / "data",
                             extra_settings={"synchronous_commit": "on" if durable else "off"})
     try:
-        yield server.start(), f"embedded PostgreSQL in {root}"
+        yield server.start(), f"embedded PostgreSQL in {root}", root / "data"
     finally:
         server.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _durability(dsn: str, data_dir: Path | None, durable: bool, err: Console, *,
+                service_sessions: bool = False) -> Durability:
+    """Read back from the server whether its commits are durable; warn when --durable
+    was asked and they are not (the run goes on, recorded as not durable)."""
+    from .durability import read_durability
+
+    found = read_durability(dsn, durable=durable, data_dir=data_dir,
+                            service_sessions=service_sessions)
+    if durable and found.reasons:
+        err.print("[bold yellow]warning: --durable was asked, but this run's commits are "
+                  "not durable: " + "; ".join(found.reasons)
+                  + ". Its figures are not those of durable commits (recorded as "
+                  "\"durable\": false).[/]")
+    return found
 
 
 def _output_path(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -120,11 +138,11 @@ def _run_options(f: Any) -> Any:
 
 
 @contextmanager
-def _migrated(url: str | None, durable: bool) -> Iterator[tuple[str, str]]:
+def _migrated(url: str | None, durable: bool) -> Iterator[tuple[str, str, Path | None]]:
     """_database, with the migrations applied."""
-    with _database(url, durable) as (dsn, where):
+    with _database(url, durable) as (dsn, where, data_dir):
         migrations.migrate(dsn)
-        yield dsn, where
+        yield dsn, where, data_dir
 
 
 def default_processes(buyers: int) -> int:
@@ -266,17 +284,22 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
             raise click.BadParameter(exc.message) from None
         out = Console()
         err = Console(stderr=True)
-        with _migrated(database_url, durable) as (dsn, where):
+        with _migrated(database_url, durable) as (dsn, where, data_dir):
             err.print(f"[dim]{where}; {scenario.buyers} buyers in {scenario.processes} "
                       f"process{'es' if scenario.processes > 1 else ''}, "
                       f"{scenario.requests:,} requests per run, batching {batching}, "
                       f"{_commit_mode(durable)}[/]")
+            durability = _durability(dsn, data_dir, durable, err,
+                                     service_sessions=http is not None
+                                     and http.url is not None)
             try:
                 runs = _run(dsn, scenario, quiet, err, before_check, http)
             except InvalidRequest as exc:
                 raise click.ClickException(exc.message) from None
         report.render(out, scenario, runs)
-        extra: dict[str, Any] = {"database": where, "target": target}
+        extra: dict[str, Any] = {"database": where, "target": target,
+                                 "durable": durability.durable,
+                                 "durability": durability.to_dict()}
         if http is not None:
             extra["api"] = http.url or "started by the bench (uvicorn, in-process, 127.0.0.1)"
         doc = report.document(scenario, runs, extra)
@@ -342,11 +365,11 @@ def server_bench(units: int, requests_: int, clients: int, strategy: str, pool_c
         raise click.BadParameter(exc.message) from None
     out = Console()
     err = Console(stderr=True)
-    with _database(database_url, durable) as (dsn, where):
-        migrations.migrate(dsn)
+    with _migrated(database_url, durable) as (dsn, where, data_dir):
         err.print(f"[dim]{where}; pgbench, {clients} clients, {held:,} holds then "
                   f"{rejections:,} sold-out requests per strategy, "
-                  f"synchronous_commit={'on' if durable else 'off'}[/]")
+                  f"{_commit_mode(durable)}[/]")
+        durability = _durability(dsn, data_dir, durable, err)
         runs = []
         for name in strategies:
             try:
@@ -385,7 +408,8 @@ def server_bench(units: int, requests_: int, clients: int, strategy: str, pool_c
         doc = {"runs": [run.to_dict() for run in runs], "ratios": figures,
                "config": {"client": "pgbench (prepared)", "units": held,
                           "rejections": rejections, "clients": clients, "pool_cap": pool_cap,
-                          "replenish": replenish, "durable": durable, "database": where}}
+                          "replenish": replenish, "durable": durability.durable,
+                          "durability": durability.to_dict(), "database": where}}
         _write("--json", json_path, lambda: report.write_json(json_path, doc), err)
     if not all(run.invariants_ok for run in runs):
         err.print("[bold red]invariants failed[/]")
@@ -435,11 +459,12 @@ def http_bench(seconds: int, rounds: int, warmup: int, connections: int, threads
         raise click.ClickException(exc.message) from None
     out = Console()
     err = Console(stderr=True)
-    with _migrated(database_url, durable) as (dsn, where):
+    with _migrated(database_url, durable) as (dsn, where, data_dir):
         err.print(f"[dim]{where}; wrk -t{threads} -c{connections} for {seconds:g} s, "
                   f"{rounds} time(s) against each server in alternating rounds (after "
                   f"{warmup:g} s of warm-up at each start), {workers} uvicorn processes each, "
                   f"strategy {strategy}, {_commit_mode(durable)}[/]")
+        durability = _durability(dsn, data_dir, durable, err)
         try:
             result = asyncio.run(run_http_bench(
                 dsn, strategy=strategy, units=units, pool_cap=pool_cap, workers=workers,
@@ -482,7 +507,8 @@ def http_bench(seconds: int, rounds: int, warmup: int, connections: int, threads
             "seconds": seconds, "rounds": rounds, "warmup": warmup,
             "connections": connections,
             "threads": threads, "workers": workers, "strategy": strategy, "units": units,
-            "pool_cap": pool_cap, "durable": durable, "database": where,
+            "pool_cap": pool_cap, "durable": durability.durable,
+            "durability": durability.to_dict(), "database": where,
             "client": "wrk (Lua: POST /v1/reservations, one-line cart, fresh Idempotency-Key)"}}
         _write("--json", json_path, lambda: report.write_json(json_path, doc), err)
     if not result.ok:

@@ -65,3 +65,9 @@ SELECT pg_backend_pid(), pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint,
 -- Milliseconds spent executing statements, all databases (the fallback when the
 -- server's processes are not visible in /proc).
 SELECT coalesce(sum(total_exec_time), 0)::float8 FROM pg_stat_statements;
+
+-- name: durability_settings_read
+-- What a commit of this session waits for, and whether it reaches the disk at all
+-- (bench/durability.py).
+SELECT current_setting('fsync'), current_setting('synchronous_commit'),
+ current_setting('full_page_writes');
