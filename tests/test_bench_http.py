@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -127,15 +129,132 @@ def test_answers_replayed_from_the_ledger_are_counted_apart(
 
 def test_a_sold_out_run_says_so_and_its_books_balance(dsn: str, tmp_path: Path) -> None:
     """Too few units for the run: the holds stop at the stock, the rest are 409s, the
-    bench says the SKU sold out and still exits 0 with balanced books."""
+    bench says the SKU sold out, the books balance, and the run fails (exit 1, after
+    the JSON): its measured run was mostly 409s, not holds."""
     toolcheck.require("wrk")
     out = tmp_path / "http.json"
     result = CliRunner().invoke(bench, [
         "http", "--seconds", "1", "--rounds", "1", "--warmup", "0", "--workers", "1",
         "--connections", "4", "--threads", "1", "--strategy", "row", "--units", "50",
         "--database-url", dsn, "--json", str(out)])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output
     doc = json.loads(out.read_text())
     assert doc["service"]["created"] == doc["reservations_in_database"] == 50
     assert doc["service"]["rejected"] > 0 and doc["invariants_ok"] is True
-    assert "the SKU sold out" in result.output
+    assert doc["books_check"]["ok"] is True
+    assert [r["server"] for r in doc["failing_rounds"]] == ["service"]
+    assert "the SKU sold out" in result.output and "non-201" in result.output
+
+
+def test_the_books_check_holds_wrk_201s_against_the_reservations() -> None:
+    """The 201s wrk counted (warm-ups included, replays not) must all be reservations in
+    the database, and the database may hold at most one more per connection for each wrk
+    run against the service (requests in flight when wrk stopped): anything else fails."""
+    bare = Endpoint("bare", "http://b", [_segment(1, 1000, 1.0)])
+    service = Endpoint("service", "http://s", [_segment(1, 500, 1.0), _segment(2, 400, 1.0)],
+                       warmups=[_segment(1, 100, 1.0)])
+    result = HttpBench(bare, service, "row", reservations=1000, connections=8)
+    check = result.books_check()
+    assert check["ok"] and result.ok
+    assert (check["created"], check["wrk_runs"], check["in_flight_allowance"]) == (1000, 3, 24)
+    for reservations, ok in ((999, False), (1024, True), (1025, False)):
+        result.reservations = reservations
+        assert result.books_check()["ok"] is ok and result.ok is ok, reservations
+    result.reservations = 900  # the measured 201s only: the warm-up's are missing
+    assert not result.ok
+    assert result.to_dict()["books_check"]["ok"] is False
+    assert result.to_dict()["invariants_ok"] is False
+
+
+def test_rounds_with_over_one_percent_non_201_or_socket_errors_are_named() -> None:
+    """Non-201 answers (409s included, replays not) plus socket errors over 1% of a
+    round's requests, on either server, name that round; 1% itself passes."""
+    fine = _segment(1, 1000, 1.0)  # 1 other status of 1,001 requests
+    busy = Segment(round=2, requests=1000, duration_s=1.0, created=40, replayed=0,
+                   rejected=0, other_status=960, socket_errors=3,
+                   latency_ms={"p50": 1.0, "p90": 2.0, "p99": 3.0, "max": 4.0},
+                   wrk_cpu_s=0.5)
+    edge = Segment(round=1, requests=1000, duration_s=1.0, created=985, replayed=5,
+                   rejected=4, other_status=4, socket_errors=2,
+                   latency_ms={"p50": 1.0, "p90": 2.0, "p99": 3.0, "max": 4.0},
+                   wrk_cpu_s=0.5)
+    result = HttpBench(Endpoint("bare", "http://b", [fine, edge]),
+                       Endpoint("service", "http://s", [fine, busy]), "row")
+    assert result.failing_rounds() == [{
+        "server": "service", "round": 2, "requests": 1000, "non_201": 960,
+        "rejected": 0, "other_status": 960, "socket_errors": 3}]
+    assert result.to_dict()["failing_rounds"] == result.failing_rounds()
+
+
+def test_the_service_environment_is_recorded_with_its_secrets_masked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from pgreserve.bench.wrk import service_environment
+
+    for name in [n for n in os.environ if n.startswith("PGRESERVE_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("PGRESERVE_TENANT_MAX_IN_FLIGHT", "2")
+    monkeypatch.setenv("PGRESERVE_API_KEY_CACHE_SECONDS", "2")
+    monkeypatch.setenv("PGRESERVE_BENCH_DATABASE_URL", "postgresql://u:hunter2@db/x")
+    monkeypatch.setenv("PGRESERVE_SOME_PASSWORD", "hunter2")
+    monkeypatch.setenv("PGRESERVE_SIGNING_SECRET", "hunter2")
+    monkeypatch.setenv("PGRESERVE_ADMIN_KEY", "hunter2")
+    monkeypatch.setenv("OTHER_SETTING", "1")
+    assert service_environment() == {
+        "PGRESERVE_ADMIN_KEY": "***",
+        "PGRESERVE_API_KEY_CACHE_SECONDS": "2",  # a duration, no secret
+        "PGRESERVE_BENCH_DATABASE_URL": "postgresql://u:***@db/x",
+        "PGRESERVE_SIGNING_SECRET": "***",
+        "PGRESERVE_SOME_PASSWORD": "***",
+        "PGRESERVE_TENANT_MAX_IN_FLIGHT": "2"}
+
+
+def test_a_service_that_mostly_fails_fails_the_run(
+        dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A service answering almost every request 429 (a tenant in-flight limit of 1,
+    inherited from the environment): a warning naming the counts, exit 1 after the JSON,
+    which records the setting the service ran with."""
+    toolcheck.require("wrk")
+    monkeypatch.setenv("PGRESERVE_TENANT_MAX_IN_FLIGHT", "1")
+    out = tmp_path / "http.json"
+    result = CliRunner().invoke(bench, [
+        "http", "--seconds", "1", "--rounds", "1", "--warmup", "0", "--workers", "1",
+        "--connections", "16", "--threads", "1", "--strategy", "row",
+        "--database-url", dsn, "--json", str(out)])
+    doc = json.loads(out.read_text())
+    service = doc["service"]
+    assert service["other_status"] > service["created"]  # mostly 429s
+    assert result.exit_code == 1, result.output
+    said = " ".join(result.output.split())
+    assert "non-201" in said and f"{service['other_status']:,}" in said
+    assert doc["failing_rounds"] and doc["failing_rounds"][0]["server"] == "service"
+    assert doc["config"]["service_environment"]["PGRESERVE_TENANT_MAX_IN_FLIGHT"] == "1"
+    assert doc["books_check"]["ok"] is True  # the books still balance
+
+
+def test_holds_wrk_counted_that_the_database_lacks_fail_the_run(
+        dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The books check compares wrk's 201s with the database: fewer reservations than
+    wrk was answered holds fails the run (exit 1), named like the other checks. (Up to
+    4 connections x 2 wrk runs of reservations may be requests in flight that wrk never
+    saw answered, so 9 are taken away: at least one 201 then has no reservation.)"""
+    toolcheck.require("wrk")
+    import dataclasses
+
+    from pgreserve.bench.runner import read_ledger as real
+
+    async def some_lost(db: Any, tenant: int) -> Any:
+        book = await real(db, tenant)
+        return dataclasses.replace(book, reservations=book.reservations - 9)
+
+    monkeypatch.setattr("pgreserve.bench.wrk.read_ledger", some_lost)
+    out = tmp_path / "http.json"
+    result = CliRunner().invoke(bench, [
+        "http", "--seconds", "1", "--rounds", "1", "--warmup", "1", "--workers", "1",
+        "--connections", "4", "--threads", "1", "--strategy", "row",
+        "--database-url", dsn, "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert result.exit_code == 1, result.output
+    assert doc["books_check"]["ok"] is False and doc["invariants_ok"] is False
+    assert doc["books_check"]["created"] == doc["service"]["created"] + sum(
+        w["created"] for w in doc["service"]["warmups"])
+    assert "books" in result.output and "invariants failed" in result.output

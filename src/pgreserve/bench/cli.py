@@ -446,11 +446,13 @@ def http_bench(seconds: int, rounds: int, warmup: int, connections: int, threads
     in alternating rounds (bare, service | service, bare | ...).
 
     Every request is `POST /v1/reservations` with a one-line cart, the tenant's API key
-    and a fresh Idempotency-Key; no claims. Exits 1 if the books do not balance.
+    and a fresh Idempotency-Key; no claims. Exits 1 if the books do not balance (wrk's
+    201s against the reservations in the database included), or if a measured run had
+    over 1% non-201 answers (409s included) or socket errors.
     """
     from ..http.gc_tuning import threshold_from_env
     from . import report
-    from .wrk import run_http_bench, wrk_path
+    from .wrk import run_http_bench, service_environment, wrk_path
 
     try:
         threshold_from_env()  # both servers' workers read it
@@ -495,6 +497,13 @@ def http_bench(seconds: int, rounds: int, warmup: int, connections: int, threads
         out.print(f"[yellow]the SKU sold out: {refused:,} reserves were "
                   f"refused (409); raise --units for {rounds} x {seconds:g} s and the "
                   f"warm-ups[/]")
+    failing = result.failing_rounds()
+    for bad in failing:
+        out.print(f"[bold yellow]warning: {bad['server']} round {bad['round']}: "
+                  f"{bad['non_201']:,} non-201 answers ({bad['rejected']:,} 409, "
+                  f"{bad['other_status']:,} other) and {bad['socket_errors']:,} socket "
+                  f"errors of {bad['requests']:,} requests, over 1%: this run does not "
+                  f"measure holds[/]")
     out.print(f"reservations in the database: {result.reservations:,} (warm-up included); "
               f"{result.commits:,} commits while the service ran (reads included)")
     ratio = result.ratio
@@ -509,10 +518,15 @@ def http_bench(seconds: int, rounds: int, warmup: int, connections: int, threads
             "threads": threads, "workers": workers, "strategy": strategy, "units": units,
             "pool_cap": pool_cap, "durable": durability.durable,
             "durability": durability.to_dict(), "database": where,
+            "service_environment": service_environment(),
             "client": "wrk (Lua: POST /v1/reservations, one-line cart, fresh Idempotency-Key)"}}
         _write("--json", json_path, lambda: report.write_json(json_path, doc), err)
     if not result.ok:
-        for violation in result.violations[:10]:
+        for violation in (result.violations + result.books_violations())[:10]:
             out.print(f"  [red]violation[/] {violation}")
         err.print("[bold red]invariants failed[/]")
+        raise SystemExit(1)
+    if failing:
+        err.print(f"[bold red]{len(failing)} measured run(s) with over 1% non-201 answers "
+                  f"or socket errors[/]")
         raise SystemExit(1)

@@ -33,10 +33,12 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config import mask_password
 from ..core.service import ReservationService
 from ..db.database import Database
 from ..db.queries import queries
@@ -105,6 +107,25 @@ end
 """
 
 
+# Environment variables whose values are not written to the JSON: a URL keeps all
+# but its password, the others are replaced (a duration in seconds is no secret).
+_SECRET_WORDS = ("PASSWORD", "SECRET", "KEY", "TOKEN")
+
+
+def service_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The PGRESERVE_* variables both servers inherit from the bench, secrets masked."""
+    env = os.environ if environ is None else environ
+    out = {}
+    for name in sorted(n for n in env if n.startswith("PGRESERVE_")):
+        value = env[name]
+        if "URL" in name:
+            value = mask_password(value)
+        elif any(word in name for word in _SECRET_WORDS) and not name.endswith("_SECONDS"):
+            value = "***"
+        out[name] = value
+    return out
+
+
 def wrk_path() -> str:
     """wrk's path; InvalidRequest with what to install when it is missing."""
     path = shutil.which("wrk")
@@ -149,11 +170,14 @@ class Segment:
 
 @dataclass
 class Endpoint:
-    """One server's measured wrk runs (`segments`, in the order run)."""
+    """One server's measured wrk runs (`segments`, in the order run), and its unmeasured
+    warm-up runs (`warmups`, one per start, numbered by the first round of that start):
+    not in any figure, but their holds are in the books."""
 
     name: str
     url: str
     segments: list[Segment] = field(default_factory=list)
+    warmups: list[Segment] = field(default_factory=list)
 
     @property
     def total(self) -> Segment:
@@ -186,6 +210,7 @@ class Endpoint:
                         "postgres": total.cores(total.postgres_cpu_s),
                         "wrk": total.cores(total.wrk_cpu_s)}
         doc["segments"] = [segment.to_dict() for segment in self.segments]
+        doc["warmups"] = [segment.to_dict() for segment in self.warmups]
         return doc
 
 
@@ -200,6 +225,7 @@ class HttpBench:
     commits: int = 0  # pg_stat_database xact_commit from the service's start to its stop
     violations: list[str] = field(default_factory=list)
     oversold: bool = False
+    connections: int = 0  # wrk's connections: requests in flight when a wrk run stops
 
     @property
     def ratio(self) -> float | None:
@@ -215,16 +241,61 @@ class HttpBench:
             ratios.append(held / base if held is not None and base else None)
         return ratios
 
+    def books_check(self) -> dict[str, Any]:
+        """wrk's 201s against the database: every hold wrk was told about (201s of every
+        run against the service, warm-ups included, replays not) must be a reservation,
+        and at most one reservation per connection and wrk run may be one wrk never saw
+        answered (in flight when that run stopped), or one per socket error (a request
+        whose answer was lost)."""
+        runs = self.service.segments + self.service.warmups
+        created = sum(run.created for run in runs)
+        allowance = self.connections * len(runs)
+        lost = sum(run.socket_errors for run in runs)
+        high = created + allowance + lost
+        return {"created": created, "wrk_runs": len(runs), "in_flight_allowance": allowance,
+                "socket_errors": lost, "reservations": self.reservations,
+                "ok": created <= self.reservations <= high}
+
+    def books_violations(self) -> list[str]:
+        check = self.books_check()
+        if check["ok"]:
+            return []
+        if check["reservations"] < check["created"]:
+            return [f"books: wrk was answered {check['created']:,} holds (201, not "
+                    f"replayed, warm-ups included) but the database has "
+                    f"{check['reservations']:,} reservations"]
+        return [f"books: the database has {check['reservations']:,} reservations, more "
+                f"than the {check['created']:,} holds wrk was answered (201, warm-ups "
+                f"included) and {check['in_flight_allowance'] + check['socket_errors']:,} "
+                f"requests in flight when wrk stopped or lost to socket errors"]
+
+    def failing_rounds(self, share: float = 0.01) -> list[dict[str, Any]]:
+        """Measured runs, of either server, whose non-201 answers (409s included; replayed
+        201s are counted apart, not here) and socket errors exceed `share` of their
+        requests: the ratio of such a run does not measure holds."""
+        out = []
+        for endpoint, name in ((self.bare, "bare"), (self.service, "service")):
+            for run in endpoint.segments:
+                non_201 = run.rejected + run.other_status
+                if run.requests == 0 or non_201 + run.socket_errors > share * run.requests:
+                    out.append({"server": name, "round": run.round, "requests": run.requests,
+                                "non_201": non_201, "rejected": run.rejected,
+                                "other_status": run.other_status,
+                                "socket_errors": run.socket_errors})
+        return out
+
     @property
     def ok(self) -> bool:
-        return not self.violations and not self.oversold
+        return not self.violations and not self.oversold and self.books_check()["ok"]
 
     def to_dict(self) -> dict[str, Any]:
         return {"bare": self.bare.to_dict(), "service": self.service.to_dict(),
                 "strategy": self.strategy,
                 "service_holds_over_bare_requests_per_s": self.ratio,
                 "round_ratios": self.round_ratios(),
+                "failing_rounds": self.failing_rounds(),
                 "reservations_in_database": self.reservations,
+                "books_check": self.books_check(),
                 # every transaction, reads (API key, idempotency lookups) included
                 "commits_while_service_ran": self.commits,
                 "violations": self.violations, "invariants_ok": self.ok}
@@ -368,7 +439,8 @@ async def run_http_bench(dsn: str, *, strategy: str, units: int, pool_cap: int,
                 "service": (Endpoint(f"pgreserve serve --workers {workers}",
                                      f"http://127.0.0.1:{service_port}"),
                             service_argv(dsn, service_port, workers))}
-            result = HttpBench(endpoints["bare"][0], endpoints["service"][0], strategy)
+            result = HttpBench(endpoints["bare"][0], endpoints["service"][0], strategy,
+                               connections=connections)
             meter = await ServerMeter.open(dsn)
             try:
                 for name, runs in _starts(run_order(rounds)):
@@ -377,10 +449,13 @@ async def run_http_bench(dsn: str, *, strategy: str, units: int, pool_cap: int,
                     server = Server(argv, env, work / f"{name}-{runs[0]}.log")
                     try:
                         await asyncio.to_thread(server.wait_ready, endpoint.url)
-                        if warmup > 0:
-                            await asyncio.to_thread(run_wrk, wrk, endpoint.url, script,
-                                                    threads=threads, connections=connections,
-                                                    seconds=warmup)
+                        if warmup > 0:  # unmeasured, but its holds are in the books
+                            doc, wrk_cpu = await asyncio.to_thread(
+                                run_wrk, wrk, endpoint.url, script, threads=threads,
+                                connections=connections, seconds=warmup)
+                            endpoint.warmups.append(_segment(runs[0], doc, wrk_cpu,
+                                                             server_cpu_s=None,
+                                                             postgres_cpu_s=None))
                         for r in runs:
                             pg0 = await meter.read()
                             cpu0 = tree_cpu_s(server.proc.pid)
