@@ -436,3 +436,20 @@ def test_a_run_asked_durable_on_a_server_that_is_not_says_so(dsn: str, tmp_path:
     assert config["durability"]["full_page_writes"] == "off"
     assert config["durability"]["synchronous_commit"] == "on"
     assert config["durability"]["data_directory"] is None  # an external database
+
+
+def test_the_docs_say_where_batched_and_unbatched_are_compared() -> None:
+    """docs/benchmarks.md names the two places batched and unbatched p99 are measured
+    (flash-sale through the library, and --target http, whose server takes the run's
+    setting), and that `bench http` is not one: `serve` has no unbatched mode and the
+    bench starts it with none."""
+    from pgreserve.bench.wrk import service_argv
+    from pgreserve.cli import main
+
+    text = " ".join((Path(__file__).parent.parent / "docs" / "benchmarks.md")
+                    .read_text().split())
+    assert ("only in `bench flash-sale`, through the library (`--target library`, the "
+            "default) and through `--target http`") in text
+    assert "`bench http` starts `pgreserve serve`, which always batches" in text
+    assert not any("batch" in arg for arg in service_argv("postgresql://x/y", 1, 1))
+    assert "batch" not in CliRunner().invoke(main, ["serve", "--help"]).output.lower()
