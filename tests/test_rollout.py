@@ -26,7 +26,7 @@ import toolcheck
 from pgreserve import errors
 from pgreserve.core.service import ReservationService
 from pgreserve.db.database import Database, deadline
-from pgreserve.domain import Status, Tenant
+from pgreserve.domain import Reservation, Status, Tenant
 from pgreserve.http import create_app
 from pgreserve.rollout import Mode, RedisHoldStore, Rollout, set_mode
 from pgreserve.rollout import report as reports
@@ -1331,6 +1331,30 @@ async def test_a_primary_claim_while_redis_is_down_is_a_recorded_miss(
         await set_mode(db, tenant.id, Mode.LEGACY, "test")
 
 
+@pytest.mark.parametrize("mode", [Mode.PRIMARY, Mode.PGRESERVE])
+async def test_finishing_a_hold_only_redis_has_while_redis_is_silent_is_busy(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database, mode: Mode) -> None:
+    """While Redis may keep older holds and does not answer, a claim of a hold only
+    Redis has (taken in legacy) is Busy, not 404, and writes nothing; once Redis answers
+    the same key claims it. A claim of pgreserve's own hold is served; in mode
+    pgreserve, which writes nothing to Redis, it records no missed write."""
+    old, own = await legacy_and_own_holds(rollout, service, store, tenant.id, db, mode)
+    async with redis_down(rollout):
+        with pytest.raises(errors.Busy, match="legacy store"):
+            await rollout.claim(tenant.id, old.id, request_key="pay-0")
+        done = await rollout.claim(tenant.id, own.id, request_key="pay-1")
+    assert done.status is Status.CLAIMED
+    await rollout.recorder.flush()
+    rows = await db.fetch("SELECT request_key FROM rollout_comparison WHERE tenant_id = %s"
+                          " AND operation = 'claim' ORDER BY request_key", (tenant.id,))
+    assert rows == ([("pay-1",)] if mode is Mode.PRIMARY else [])
+    record = await store.record(tenant.id, old.id)
+    assert record is not None and record.status == "held"
+    claimed = await rollout.claim(tenant.id, old.id, request_key="pay-0")
+    assert claimed.status is Status.CLAIMED
+
+
 async def test_a_redis_refusing_writes_is_a_miss_in_primary_and_503_in_legacy(
         rollout: Rollout, service: ReservationService, store: RedisHoldStore,
         tenant: Tenant, db: Database, redis_server: RedisServer) -> None:
@@ -1366,6 +1390,23 @@ async def test_a_redis_refusing_writes_is_a_miss_in_primary_and_503_in_legacy(
     assert await store.available(shop.id, "a", "x") == 3
 
 
+async def legacy_and_own_holds(rollout: Rollout, service: ReservationService,
+                               store: RedisHoldStore, tenant: int, db: Database,
+                               mode: Mode) -> tuple[Reservation, Reservation]:
+    """A hold only Redis has (taken in legacy) and one taken in `mode`, reached from
+    legacy through shadow and primary."""
+    await seed(service, store, tenant, "a", 5, "x")
+    await set_mode(db, tenant, Mode.LEGACY, "test")
+    old = await rollout.reserve(tenant, "k0", [("a", "x", 1)], ttl=60)
+    assert old.reservation is not None
+    await set_mode(db, tenant, Mode.SHADOW, "test")
+    await set_mode(db, tenant, Mode.PRIMARY, "test")
+    await set_mode(db, tenant, mode, "test")
+    own = await rollout.reserve(tenant, "k1", [("a", "x", 2)], ttl=60)
+    assert own.held and own.reservation is not None
+    return old.reservation, own.reservation
+
+
 @pytest.mark.parametrize("mode", [Mode.PRIMARY, Mode.PGRESERVE])
 async def test_reading_a_pgreserve_hold_needs_no_redis_once_pgreserve_answers(
         rollout: Rollout, service: ReservationService, store: RedisHoldStore,
@@ -1373,20 +1414,12 @@ async def test_reading_a_pgreserve_hold_needs_no_redis_once_pgreserve_answers(
     """In primary, and in pgreserve while Redis may still hold older holds, a hold
     pgreserve has is read while Redis does not answer; one only Redis has (taken in
     legacy) is Busy then, not 404."""
-    await seed(service, store, tenant.id, "a", 5, "x")
-    await set_mode(db, tenant.id, Mode.LEGACY, "test")
-    old = await rollout.reserve(tenant.id, "k0", [("a", "x", 1)], ttl=60)
-    assert old.reservation is not None
-    await set_mode(db, tenant.id, Mode.SHADOW, "test")
-    await set_mode(db, tenant.id, Mode.PRIMARY, "test")
-    await set_mode(db, tenant.id, mode, "test")
-    out = await rollout.reserve(tenant.id, "k1", [("a", "x", 2)], ttl=60)
-    assert out.held and out.reservation is not None
+    old, own = await legacy_and_own_holds(rollout, service, store, tenant.id, db, mode)
     async with redis_down(rollout):
-        got = await rollout.get_reservation(tenant.id, out.reservation.id.upper())
-        assert got.id == out.reservation.id and got.status is Status.ACTIVE
+        got = await rollout.get_reservation(tenant.id, own.id.upper())
+        assert got.id == own.id and got.status is Status.ACTIVE
         with pytest.raises(errors.Busy):
-            await rollout.get_reservation(tenant.id, old.reservation.id)
+            await rollout.get_reservation(tenant.id, old.id)
 
 
 async def test_a_change_while_redis_may_hold_the_cart_and_does_not_answer_is_busy(

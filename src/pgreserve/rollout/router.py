@@ -523,19 +523,29 @@ class Rollout:
         except Exception as exc:
             if entry.mode.answers_from_redis:
                 raise
-            # Redis is the secondary store now: pgreserve answers without it, and the
-            # write Redis may have missed is recorded (going back to legacy is refused)
+            # Redis is the secondary store now: pgreserve answers without it; in
+            # primary the write Redis may have missed is recorded (going back to
+            # legacy is refused)
             self.metrics.secondary_failures.labels("legacy", action).inc()
             started = perf_counter()
             try:
                 pg = await self._pg(action, tenant, reservation_id, request_key, ttl,
                                     shorten)
+            except ReservationNotFound as missing:
+                # not pgreserve's: it may be a hold only Redis has (taken in legacy),
+                # which Redis alone can say; nothing was written anywhere
+                raise Busy(f"reservation {reservation_id} is not pgreserve's and may be "
+                           f"held in the legacy store, which did not answer ({exc}); "
+                           "nothing changed, retry later") from missing
             except Exception as pg_exc:
+                if not entry.mode.writes_redis:
+                    raise
                 self._compare(tenant, entry.mode, action, request_key or reservation_id,
                               error_outcome(exc), error_outcome(pg_exc), 0.0, _ms(started))
                 raise
-            self._compare(tenant, entry.mode, action, request_key or reservation_id,
-                          error_outcome(exc), transition_outcome(pg), 0.0, _ms(started))
+            if entry.mode.writes_redis:  # pgreserve mode writes nothing to Redis
+                self._compare(tenant, entry.mode, action, request_key or reservation_id,
+                              error_outcome(exc), transition_outcome(pg), 0.0, _ms(started))
             return pg
         if record is None or record.mode == Mode.PGRESERVE.value:
             return await self._pg(action, tenant, reservation_id, request_key, ttl, shorten)
