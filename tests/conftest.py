@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 import os
 import shutil
 import tempfile
@@ -22,6 +23,7 @@ from pgreserve import Database, ReservationService, Tenant
 from pgreserve.db import migrate as migrations
 from pgreserve.db.embedded import EmbeddedServer
 from pgserver import ExternalServer
+from quiet import WATCHED
 from toolcheck import pytest_report_header, pytest_terminal_summary, require
 
 __all__ = ["pytest_report_header", "pytest_terminal_summary"]  # hooks of tests/toolcheck.py
@@ -64,6 +66,23 @@ def collector_untouched() -> Iterator[None]:
     yield
     assert gc.get_freeze_count() == 0, "a test froze the test process's heap"
     assert gc.get_threshold() == DEFAULT_COLLECTOR, gc.get_threshold()
+
+
+def log_levels() -> dict[str, int]:
+    return {name: logging.getLogger(name).level for name in WATCHED}
+
+
+# as the libraries leave them (psycopg sets its own to WARNING), before any test module
+DEFAULT_LOG_LEVELS = log_levels()
+
+
+@pytest.fixture(autouse=True)
+def loggers_untouched() -> Iterator[None]:
+    """Every test sees pgreserve's and psycopg's log lines (caplog checks them): no
+    module turned those loggers down at import, no test leaves them turned down."""
+    assert log_levels() == DEFAULT_LOG_LEVELS, log_levels()
+    yield
+    assert log_levels() == DEFAULT_LOG_LEVELS, log_levels()
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import random
 import shutil
@@ -63,6 +62,7 @@ from pgreserve.errors import (
     ReservationReleased,
     WouldOversell,
 )
+from quiet import quiet_loggers
 
 APP = "pgreserve:faults"
 # fsync off is safe here (the OS survives an immediate stop: written WAL is in
@@ -156,10 +156,6 @@ CREATE CONSTRAINT TRIGGER fault_wait_commit AFTER INSERT ON outbox_event
 """
 
 T = TypeVar("T")
-
-# The pool logs every connection the faults break; the report says what matters.
-logging.getLogger("psycopg").setLevel(logging.CRITICAL)
-logging.getLogger("pgreserve").setLevel(logging.CRITICAL)
 
 UNSETTLED = ("unknown", "busy", "dropped")
 # kinds whose call starts with a read (refill: refill_candidates)
@@ -1022,6 +1018,10 @@ class FaultRun:
     # -- the run -------------------------------------------------------------------
 
     async def run(self) -> Report:
+        with quiet_loggers():  # the pool logs every connection the faults break
+            return await self._run()
+
+    async def _run(self) -> Report:
         await self.seed_stock()
         self.started = time.monotonic()
         deadline = self.started + self.seconds

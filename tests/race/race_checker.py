@@ -62,7 +62,6 @@ events, the lines and their expiry and give-up times) to a file in dir.
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import random
 import re
@@ -95,6 +94,7 @@ from pgreserve.errors import (
     WouldOversell,
 )
 from pgreserve.workers.sweeper import Sweeper
+from quiet import quiet_loggers
 from timeline import INF, AdminChange, HoldSpan, Sale, Timeline
 
 # fsync may stay off (an immediate stop keeps the OS page cache), but
@@ -107,8 +107,6 @@ LOC = "w"
 SAFETY = {"mix-1": 3, "cart-3": 40}
 SLACK_S = 0.005
 T = TypeVar("T")
-
-logging.getLogger("psycopg").setLevel(logging.CRITICAL)
 
 REFUSED = (ReservationClaimed, ReservationReleased, ReservationExpired, ReservationNotActive,
            WouldOversell)
@@ -1060,6 +1058,10 @@ class RaceRun:
     # -- the run ---------------------------------------------------------------------
 
     async def run(self) -> Report:
+        with quiet_loggers("psycopg"):  # the crash and the paused takes break connections
+            return await self._run()
+
+    async def _run(self) -> Report:
         log_from = len(self.rs.log.read_text(errors="replace")) if self.rs.log.exists() else 0
         try:
             await self.setup()
