@@ -10,14 +10,16 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 import pytest
 
 from pgreserve import Database, ReservationService, TxSettings, errors
+from pgreserve.db import database
 from pgreserve.db import migrate as migrations
 from pgreserve.db.database import deadline
 from pgreserve.workers.base import run_forever
@@ -74,6 +76,34 @@ async def test_a_call_to_a_database_that_stops_answering_ends_at_its_deadline(
         assert again.held
         assert (await service.get_stock(tenant.id, "s", "w")).reserved == 1
         assert await service.invariant_violations() == []
+
+
+async def test_a_call_under_a_deadline_waits_for_its_answer_without_spinning(
+        dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wait for an answer under a deadline sleeps until the socket is readable (or
+    its interval passes): a half-second statement resumes it a few times, not at every
+    turn of the event loop (psycopg's wait_async spins with its default interval of 0,
+    which doubled the service's CPU per hold)."""
+    real = psycopg.generators.execute
+    resumed = 0
+
+    def counted(pgconn: Any) -> Generator[Any, Any, Any]:
+        nonlocal resumed
+        gen = real(pgconn)
+        ready = None
+        while True:
+            try:
+                wait = gen.send(ready)
+            except StopIteration as done:
+                return done.value
+            ready = yield wait
+            resumed += 1
+
+    monkeypatch.setattr(database, "generators", SimpleNamespace(execute=counted))
+    async with Database(dsn, min_size=1, max_size=1) as db:
+        with deadline(30.0):
+            assert await db.fetch("SELECT 1 FROM pg_sleep(0.5)") == [(1,)]
+    assert 1 <= resumed <= 5 / database.WAIT_INTERVAL_S, resumed
 
 
 async def test_requests_queued_behind_an_unanswered_batch_are_busy_at_their_deadline(

@@ -677,6 +677,10 @@ class Session:
 # with the call makes a server that runs end it at the deadline; this bounds the wait
 # on one that does not answer at all (stopped, partitioned away).
 ANSWER_GRACE_S = 1.0
+# How often a wait for an answer wakes without one (psycopg's own interval). psycopg's
+# wait_async defaults to 0: the loop would spin, resuming the wait at every turn, for
+# as long as the database takes to answer.
+WAIT_INTERVAL_S = 0.1
 
 
 async def _results(conn: psycopg.AsyncConnection[Any], end: float | None) -> list[Any]:
@@ -690,7 +694,7 @@ async def _results(conn: psycopg.AsyncConnection[Any], end: float | None) -> lis
             # (psycopg's own wait, cancelled, would ask the server to cancel the query
             # and wait for it up to twice 5 s more: the server is not answering)
             return await waiting.wait_async(generators.execute(conn.pgconn),
-                                            conn.pgconn.socket)
+                                            conn.pgconn.socket, interval=WAIT_INTERVAL_S)
     except TimeoutError:
         conn.pgconn.finish()
         raise psycopg.OperationalError(
