@@ -470,10 +470,8 @@ class Rollout:
             self.metrics.secondary_failures.labels("legacy", "read").inc()
             try:
                 return await self.service.get_reservation(tenant, rid)
-            except ReservationNotFound:
-                raise Busy(f"reservation {rid} is not pgreserve's and may be held in the "
-                           f"legacy store, which did not answer ({exc}); retry later"
-                           ) from exc
+            except ReservationNotFound as missing:
+                raise _maybe_redis_only(rid, exc) from missing
         if record is not None and Mode(record.mode).answers_from_redis:
             return record.reservation()
         return await self.service.get_reservation(tenant, rid)
@@ -532,11 +530,7 @@ class Rollout:
                 pg = await self._pg(action, tenant, reservation_id, request_key, ttl,
                                     shorten)
             except ReservationNotFound as missing:
-                # not pgreserve's: it may be a hold only Redis has (taken in legacy),
-                # which Redis alone can say; nothing was written anywhere
-                raise Busy(f"reservation {reservation_id} is not pgreserve's and may be "
-                           f"held in the legacy store, which did not answer ({exc}); "
-                           "nothing changed, retry later") from missing
+                raise _maybe_redis_only(reservation_id, exc) from missing
             except Exception as pg_exc:
                 if not entry.mode.writes_redis:
                     raise
@@ -775,6 +769,13 @@ def _stand_in(exc: BaseException, before: str | None,
         return {**error_outcome(exc),
                 "message": f"(the reservation was {status} here too; released in its stead)"}
     return outcome
+
+
+def _maybe_redis_only(rid: str, silent: Exception) -> Busy:
+    """For a hold pgreserve does not have while Redis, which may keep it (taken in
+    legacy), does not answer: whether it exists is Redis's to say; nothing was written."""
+    return Busy(f"reservation {rid} is not pgreserve's and may be held in the legacy "
+                f"store, which did not answer ({silent}); nothing changed, retry later")
 
 
 def _ms(started: float) -> float:
