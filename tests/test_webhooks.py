@@ -53,9 +53,11 @@ class Delivery:
 
 @dataclass
 class Receiver:
-    """An HTTP server on 127.0.0.1 that records every request; `fail_first` get a 500."""
+    """An HTTP server on 127.0.0.1 that records every request; `fail_first` get a 500.
+    Each answer takes `delay_s` (a window for overlapping deliveries to show up)."""
 
     fail_first: int = 0
+    delay_s: float = 0.002
     seen: list[Delivery] = field(default_factory=list)
     url: str = ""
     in_flight: dict[str, int] = field(default_factory=dict)
@@ -67,7 +69,7 @@ class Receiver:
         self.most_in_flight[path] = max(self.most_in_flight.get(path, 0), self.in_flight[path])
         try:
             body = await request.read()
-            await asyncio.sleep(0.002)  # widen the window for overlapping deliveries
+            await asyncio.sleep(self.delay_s)
             status = 500 if self.fail_first > 0 else 200
             self.fail_first -= 1 if self.fail_first > 0 else 0
             self.seen.append(Delivery(path, body, request.headers.get(SIGNATURE_HEADER, ""),
@@ -97,8 +99,8 @@ async def serving(handler: Callable[[web.Request], Awaitable[web.Response]]
 
 
 @asynccontextmanager
-async def receiver(fail_first: int = 0) -> AsyncIterator[Receiver]:
-    rec = Receiver(fail_first=fail_first)
+async def receiver(fail_first: int = 0, delay_s: float = 0.002) -> AsyncIterator[Receiver]:
+    rec = Receiver(fail_first=fail_first, delay_s=delay_s)
     async with serving(rec.handle) as url:
         rec.url = url
         yield rec
@@ -238,12 +240,17 @@ async def test_dead_endpoint_blocks_neither_reservations_nor_other_tenants(
 async def test_two_workers_deliver_each_event_exactly_once(dsn: str,
                                                            service: ReservationService) -> None:
     """Two workers with their own pools share the endpoints; each event arrives exactly once,
-    in order, and no endpoint ever has two deliveries in flight."""
+    in order, and no endpoint ever has two deliveries in flight.
+
+    Each worker sends to one endpoint at a time and each answer takes 20 ms, so one
+    worker alone needs about a second for the 45 events while two endpoints stay due:
+    a second worker that never takes one is a fault, not chance."""
     tenants = [await service.create_tenant(f"t{i}") for i in range(3)]
     config = WebhookConfig(timeout_s=2.0, lease_s=5.0, backoff_base_s=0.02,
                            backoff_cap_s=0.1, idle_poll_s=0.01, events_per_claim=3,
-                           loop=LoopConfig(interval_s=0.01), allow_private=True)
-    async with receiver() as rec, Database(dsn, max_size=4) as db1, \
+                           concurrency=1, loop=LoopConfig(interval_s=0.01),
+                           allow_private=True)
+    async with receiver(delay_s=0.02) as rec, Database(dsn, max_size=4) as db1, \
             Database(dsn, max_size=4) as db2:
         for t in tenants:
             await service.add_webhook(t.id, f"{rec.url}/hook/{t.id}")
