@@ -150,6 +150,24 @@ def test_an_uncreatable_data_directory_is_a_message(short_dir: Path) -> None:
     assert f"cannot create the data directory {blocker / 'data'}" in result.stderr
 
 
+def test_waiting_on_another_start_of_the_embedded_server_ends_with_a_message(
+        short_dir: Path) -> None:
+    """A process that waits too long for another's start of the same data directory
+    gets NoDatabase naming that process, and creates nothing (it used to wait forever)."""
+    import fcntl
+
+    from pgreserve.db.embedded import EmbeddedServer
+    from pgreserve.errors import NoDatabase
+
+    with open(short_dir / ".data.start.lock", "w") as held:
+        held.write("4242\n")
+        held.flush()
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(NoDatabase, match=r"another process \(pid 4242, .*0\.3 s"):
+            EmbeddedServer(short_dir / "data", start_wait_s=0.3).start()
+    assert not (short_dir / "data").exists()
+
+
 def test_a_busy_port_is_a_message(short_dir: Path) -> None:
     """`up` on a port something else listens on exits 1 before starting a database."""
     with socket.socket() as taken:

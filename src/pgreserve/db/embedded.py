@@ -11,13 +11,15 @@ import contextlib
 import fcntl
 import logging
 import os
+import time
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, LiteralString
+from typing import IO, TYPE_CHECKING, LiteralString
 
 import psycopg
 from psycopg import sql
 
+from ..errors import NoDatabase
 from .queries import queries
 
 if TYPE_CHECKING:
@@ -27,6 +29,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_DATA_DIR = Path(".pgreserve") / "data"
 DATABASE = "pgreserve"
+# How long a process waits for another one's start of the same data directory (a
+# first start creates the cluster, tunes it and restarts it: seconds, not minutes).
+START_WAIT_S = 180.0
 
 # Settings this design needs (see docs/operations.md). Applied once, when the
 # data directory is created; a restart makes them take effect.
@@ -77,9 +82,11 @@ class EmbeddedServer:
     """A handle on the embedded server of one data directory."""
 
     def __init__(self, data_dir: str | os.PathLike[str] | None = None,
-                 extra_settings: dict[str, str] | None = None) -> None:
+                 extra_settings: dict[str, str] | None = None,
+                 start_wait_s: float = START_WAIT_S) -> None:
         self.data_dir = data_dir_from_env(data_dir)
         self.extra_settings = dict(extra_settings or {})
+        self.start_wait_s = start_wait_s
         self._server: PostgresServer | None = None
 
     def start(self) -> str:
@@ -88,14 +95,36 @@ class EmbeddedServer:
         Processes starting one data directory at once take turns (a file lock beside
         it): the first creates, tunes and restarts the server, the others join it.
         Without the turns, two `pgreserve migrate` on a new directory both tuned and
-        restarted it, and one failed."""
+        restarted it, and one failed. A process that waits longer than `start_wait_s`
+        for its turn gets NoDatabase naming the process that holds it, not a hang."""
         os.environ.setdefault("XDG_RUNTIME_DIR", str(
             Path("/tmp") / f"runtime-{os.getuid()}"))  # noqa: S108 - per user, made 0700 below
         Path(os.environ["XDG_RUNTIME_DIR"]).mkdir(mode=0o700, exist_ok=True)
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.data_dir.parent / f".{self.data_dir.name}.start.lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        path = self.data_dir.parent / f".{self.data_dir.name}.start.lock"
+        with open(path, "a+") as lock:
+            self._take_turn(lock, path)  # released when the file closes
+            lock.truncate(0)
+            lock.write(f"{os.getpid()}\n")
+            lock.flush()
             return self._start()
+
+    def _take_turn(self, lock: IO[str], path: Path) -> None:
+        deadline = time.monotonic() + self.start_wait_s
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        raise NoDatabase(
+            f"the embedded server in {self.data_dir} is being started by another process "
+            f"(pid {holder}, per {path}) and did not come up within "
+            f"{self.start_wait_s:g} s; see what that process is doing")
 
     def _start(self) -> str:
         with warnings.catch_warnings():
