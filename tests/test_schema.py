@@ -237,6 +237,34 @@ def test_serve_worker_and_doctor_with_another_schema(pg_server: EmbeddedServer) 
                             ).fetchall() == [("claimed",), ("expired",)]
 
 
+def test_a_schema_with_no_installation_is_refused_not_created(pg_server: EmbeddedServer) -> None:
+    """A mistyped --schema (here `othr` beside an installation in `other`) is refused by
+    the commands that migrate on their way (tenant create, serve, rollout), naming the
+    command that creates it, and nothing is created; `migrate --schema othr` creates
+    it. The default schema is still created on first use."""
+    dsn = _new_database(pg_server, "schema_cli_typo")
+    assert pgr("migrate", "--database-url", dsn, "--schema", "other").returncode == 0
+    typo = ("--database-url", dsn, "--schema", "othr")
+    for command in (("tenant", "create", "shop"), ("webhook", "list", "shop"),
+                    ("serve", "--port", str(free_port()), "--ops-port", str(free_port())),
+                    ("rollout", "status")):
+        result = pgr(*command, *typo)
+        assert result.returncode == 1, (command, result)
+        assert "schema 'othr' holds no pgreserve installation" in result.stderr, result.stderr
+        assert "pgreserve migrate --database-url" in result.stderr
+        assert "--schema othr" in result.stderr and "Traceback" not in result.stderr
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT to_regnamespace('othr')").fetchone() == (None,)
+        assert conn.execute("SELECT to_regnamespace('pgreserve')").fetchone() == (None,)
+    assert pgr("migrate", *typo).returncode == 0
+    assert pgr("tenant", "create", "shop", *typo).returncode == 0
+    assert pgr("tenant", "create", "shop", "--database-url", dsn).returncode == 0
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute("SELECT count(*) FROM othr.tenant").fetchone() == (1,)
+        assert conn.execute("SELECT count(*) FROM pgreserve.tenant").fetchone() == (1,)
+        assert conn.execute("SELECT count(*) FROM other.tenant").fetchone() == (0,)
+
+
 async def test_reconcile_and_the_bloat_monitor_read_another_schema(
         pg_server: EmbeddedServer) -> None:
     """reconcile (with repair) and the bloat monitor, on a plain DSN, read the installation

@@ -167,7 +167,7 @@ def tenant_create(name: str, as_json: bool, database_url: str | None,
             return await ReservationService(database).create_tenant_with_key(name)
 
     with _dsn(database_url, data_dir) as dsn:
-        migrations.migrate(dsn)
+        migrations.upgrade(dsn)
         try:
             created, key = asyncio.run(go(dsn))
         except errors.PgReserveError as exc:
@@ -194,7 +194,7 @@ def tenant_list(as_json: bool, database_url: str | None, data_dir: str | None) -
             return await ReservationService(database).tenants()
 
     with _dsn(database_url, data_dir) as dsn:
-        migrations.migrate(dsn)
+        migrations.upgrade(dsn)
         rows = asyncio.run(go(dsn))
     if as_json:
         click.echo(json.dumps([{"id": t.id, "name": t.name, "created_at": at.isoformat()}
@@ -245,7 +245,7 @@ def tenant_key_create(name: str, as_json: bool, database_url: str | None,
                       data_dir: str | None) -> None:
     """Issue another API key for tenant NAME (shown once; its prefix is listed later)."""
     with _dsn(database_url, data_dir) as dsn:
-        migrations.migrate(dsn)
+        migrations.upgrade(dsn)
         key = _tenant_call(dsn, name, lambda s, t: s.create_api_key(t))
     click.echo(json.dumps({"tenant": name, "api_key": key}) if as_json else key)
 
@@ -258,7 +258,7 @@ def tenant_key_list(name: str, as_json: bool, database_url: str | None,
                     data_dir: str | None) -> None:
     """Tenant NAME's API keys, newest first: prefix, created and revoked times (never a key)."""
     with _dsn(database_url, data_dir) as dsn:
-        migrations.migrate(dsn)
+        migrations.upgrade(dsn)
         keys = _tenant_call(dsn, name, lambda s, t: s.api_keys(t))
     rows = [{"prefix": k.prefix, "created_at": k.created_at.isoformat(),
              "revoked_at": None if k.revoked_at is None else k.revoked_at.isoformat()}
@@ -280,7 +280,7 @@ def tenant_key_revoke(name: str, prefix: str, database_url: str | None,
     """Revoke tenant NAME's key shown as PREFIX by `tenant key list`; the API refuses it
     (401) from its next request on."""
     with _dsn(database_url, data_dir) as dsn:
-        migrations.migrate(dsn)
+        migrations.upgrade(dsn)
         done = _tenant_call(dsn, name, lambda s, t: s.revoke_api_key(t, prefix))
     click.echo(f"revoked {done}")
 
@@ -302,7 +302,7 @@ def webhook_add(tenant_name: str, url: str, as_json: bool, database_url: str | N
                 data_dir: str | None) -> None:
     """Register URL for TENANT's events; prints the signing secret (shown only now)."""
     with _dsn(database_url, data_dir) as dsn:
-        migrations.migrate(dsn)
+        migrations.upgrade(dsn)
         hook = _tenant_service_call(dsn, tenant_name, lambda s, t: s.add_webhook(t, url))
     if as_json:
         click.echo(json.dumps({"id": hook.id, "url": hook.url, "secret": hook.secret}))
@@ -319,7 +319,7 @@ def webhook_list(tenant_name: str, as_json: bool, database_url: str | None,
                  data_dir: str | None) -> None:
     """TENANT's webhook endpoints and their delivery state."""
     with _dsn(database_url, data_dir) as dsn:
-        migrations.migrate(dsn)
+        migrations.upgrade(dsn)
         hooks = _tenant_service_call(dsn, tenant_name, lambda s, t: s.webhooks(t))
 
     def ts(value: Any) -> str | None:
@@ -349,7 +349,7 @@ def webhook_delete(tenant_name: str, webhook_id: str, database_url: str | None,
     """Remove TENANT's webhook endpoint ID (`webhook list` shows the ids); nothing more is
     sent to it."""
     with _dsn(database_url, data_dir) as dsn:
-        migrations.migrate(dsn)
+        migrations.upgrade(dsn)
         _tenant_service_call(dsn, tenant_name, lambda s, t: s.delete_webhook(t, webhook_id))
     click.echo(f"webhook {webhook_id} deleted")
 
@@ -361,7 +361,7 @@ def worker(database_url: str | None, data_dir: str | None, key_retention_hours: 
     """Run the background workers (expiry sweeper, pool replenisher, key janitor, webhook
     deliverer) until SIGTERM or Ctrl-C."""
     with _dsn(database_url, data_dir) as dsn:
-        migrations.migrate(dsn)
+        migrations.upgrade(dsn)
         asyncio.run(_run(dsn, http=False, workers=True, key_retention_hours=key_retention_hours))
     console.print("pgreserve stopped cleanly")
 
@@ -378,7 +378,7 @@ def up(**params: Any) -> None:
     _check_listen(s)
     _check_gc_threshold()
     with _dsn(s.database_url, s.data_dir, create=True) as dsn:
-        applied = migrations.migrate(dsn)
+        applied = migrations.upgrade(dsn)
         for m in applied:
             console.print(f"applied migration {m.version:04d}_{m.name}")
         from .http.server import run
@@ -402,7 +402,7 @@ def serve(**params: Any) -> None:
     _check_listen(s)
     _check_gc_threshold()
     with _dsn(s.database_url, s.data_dir) as dsn:
-        migrations.migrate(dsn)
+        migrations.upgrade(dsn)
         if s.workers == 1:
             from .http.server import run
 
@@ -642,7 +642,7 @@ def reconcile(database_url: str | None, data_dir: str | None, as_json: bool,
 
     with _dsn(database_url, data_dir) as dsn:
         if freeze_drifted:
-            migrations.migrate(dsn)  # the freeze table and its functions
+            migrations.upgrade(dsn)  # the freeze table and its functions
         else:
             check_database(dsn)  # an unmigrated database: a message, not a traceback
         result = run(dsn, tenant=tenant_id, grace_s=grace_seconds, repair=repair,
@@ -709,7 +709,7 @@ def _freeze_cmd(database_url: str | None, data_dir: str | None, tenant_name: str
                 as_json: bool, lift: bool) -> None:
     who = by or _operator()
     with _dsn(database_url, data_dir) as dsn:
-        migrations.migrate(dsn)
+        migrations.upgrade(dsn)
         if lift:
             done = _tenant_call(dsn, tenant_name, lambda s, t: s.unfreeze(
                 t, reason, who, sku=sku, location=location))
@@ -754,7 +754,7 @@ def freeze_list(tenant_name: str | None, as_json: bool, database_url: str | None
                 data_dir: str | None) -> None:
     """The live freezes: what, who froze it, when and why."""
     with _dsn(database_url, data_dir) as dsn:
-        migrations.migrate(dsn)
+        migrations.upgrade(dsn)
         if tenant_name is None:
             async def go() -> Any:
                 async with Database(dsn, min_size=1, max_size=1) as database:

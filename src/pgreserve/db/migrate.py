@@ -25,7 +25,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ..errors import DatabaseTooNew, MigrationError
+from ..errors import DatabaseNotMigrated, DatabaseTooNew, MigrationError
 from . import schema as schemas
 from .queries import queries
 
@@ -104,6 +104,28 @@ def migrate(conninfo: str, *, target: int | None = None,
     `schema` (default PGRESERVE_SCHEMA, else `pgreserve`); return the
     migrations applied."""
     return migrate_all(conninfo, target=target, schema=schema).migrations
+
+
+def upgrade(conninfo: str, *, schema: str | None = None) -> list[Migration]:
+    """What the commands other than `pgreserve migrate` run first: `migrate`, except that
+    a schema other than the default which holds no installation yet is not created.
+
+    A mistyped `--schema` (or PGRESERVE_SCHEMA) would otherwise start a new, empty
+    installation beside the real one, and a tenant or a webhook made there would be
+    lost to the service. Such a schema raises DatabaseNotMigrated naming the command
+    that creates it (`pgreserve migrate --schema NAME`); the default schema is still
+    created on first use (the quick start's `make run` needs no `migrate`)."""
+    where = schemas.resolve(schema)
+    if where != schemas.DEFAULT_SCHEMA and not applied_versions(conninfo, schema=where):
+        from .migration_check import migrate_command
+
+        command = migrate_command(conninfo, where)
+        raise DatabaseNotMigrated(
+            f"schema {where!r} holds no pgreserve installation in this database: check "
+            f"the name (--schema, PGRESERVE_SCHEMA), or run `{command}` to create one",
+            missing=[f"{m.version:04d}_{m.name}" for m in available()], functions=[],
+            command=command)
+    return migrate(conninfo, schema=where)
 
 
 def migrate_all(conninfo: str, *, target: int | None = None,

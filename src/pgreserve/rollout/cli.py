@@ -35,7 +35,7 @@ def _with_db(database_url_: str | None, data_dir: str | None,
             return await go(db)
 
     with database_url(database_url_, data_dir, create=False) as dsn:
-        migrations.migrate(dsn)
+        migrations.upgrade(dsn)
         try:
             return asyncio.run(run(dsn))
         except errors.PgReserveError as exc:
