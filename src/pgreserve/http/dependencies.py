@@ -300,7 +300,28 @@ async def authenticate_in_batch(state: Any, scope: MutableMapping[str, Any],
         return admitted(scope, await accepted_tenant(state, credentials)), None
     tenant, digest = hinted
     service_of(state)  # 503 while the pool is not open, as for a key read
-    return admitted(scope, tenant), digest
+    try:
+        return admitted(scope, tenant), digest
+    except errors.TooManyRequests:
+        if await refused_now(state, credentials):  # a refused key is 401, not 429
+            raise problems.Unauthorized(errors.UNKNOWN_API_KEY) from None
+        raise
+
+
+async def refused_now(state: Any, credentials: str) -> bool:
+    """Whether the database refuses now a key a request was let in with on its hint
+    (ApiKeyCache.hint) and that nothing has checked yet. Asked when such a request
+    fails before its operation checks the key (over its tenant's limit; its request
+    key, cart or reservation id refused): FastAPI's routes check the key first, so a
+    refused key is their 401, not the request's own error. False when the key is
+    accepted, and when the database cannot say now (the request's own error stands)."""
+    try:
+        await accepted_tenant(state, credentials)
+    except problems.Unauthorized:
+        return True
+    except errors.PgReserveError:
+        return False
+    return False
 
 
 def refused_in_batch(state: Any, scope: MutableMapping[str, Any],

@@ -43,7 +43,9 @@ from .dependencies import (
     Caller,
     authenticate,
     authenticate_in_batch,
+    bearer_key,
     refused_in_batch,
+    refused_now,
     request_key,
     utf8_target,
 )
@@ -213,7 +215,13 @@ class FastPath:
             assert digest is not None
             response = problems.error_response(refused_in_batch(state, scope, digest))
         except errors.PgReserveError as exc:
-            response = problems.error_response(exc)
+            if digest is not None and await refused_now(state, bearer_key(bearer)):
+                # the request failed before its batch checked the key (its request key,
+                # its cart, its reservation id, a request in flight under its key): as
+                # on FastAPI's route, which checks the key first, the key's 401 wins
+                response = problems.error_response(refused_in_batch(state, scope, digest))
+            else:
+                response = problems.error_response(exc)
         await response(scope, receive, send)
 
     async def reserve(self, caller: Caller, header: str | None,
