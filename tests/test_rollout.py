@@ -315,13 +315,15 @@ async def test_switch_with_holds_in_flight_loses_and_duplicates_nothing(
     back; the sale of a legacy hold (no pgreserve twin) leaves pgreserve's count once."""
     await seed(service, store, tenant.id, "sku", 100)
     holds: list[tuple[str, str]] = []
+    # (back from pgreserve to legacy or shadow is forced: Redis does not know the
+    # holds pgreserve took meanwhile, which the counts below leave out)
     for n, mode in enumerate([Mode.LEGACY, Mode.SHADOW, Mode.PRIMARY, Mode.PGRESERVE] * 2):
-        await set_mode(db, tenant.id, mode, "test")
+        await set_mode(db, tenant.id, mode, "test", force=True)
         for i in range(3):
             out = await rollout.reserve(tenant.id, f"{n}-{i}", [("sku", "berlin", 2)], ttl=60)
             assert out.held and out.reservation is not None
             holds.append((mode.value, out.reservation.id))
-    await set_mode(db, tenant.id, Mode.SHADOW, "test")
+    await set_mode(db, tenant.id, Mode.SHADOW, "test", force=True)
     redis_claims = pg_claims = legacy_sold = 0
     for i, (taken, rid) in enumerate(holds):
         if i % 2:
@@ -1116,13 +1118,11 @@ async def test_going_back_from_primary_is_refused_while_redis_missed_writes(
                     db.conninfo, check=False)
     assert out.returncode == 1 and "Redis missed 2 write(s)" in out.stderr
     assert "Traceback" not in out.stderr
-    assert await set_mode(db, tenant.id, Mode.PGRESERVE, "test") is Mode.PRIMARY
-    await set_mode(db, tenant.id, Mode.PRIMARY, "test")  # misses before this are past
-    assert await set_mode(db, tenant.id, Mode.LEGACY, "test") is Mode.PRIMARY
-    await set_mode(db, tenant.id, Mode.PRIMARY, "test")
     forced = await run(str(BIN), "rollout", "set", "acme", "shadow", "--force",
                        "--database-url", db.conninfo)
     assert "primary -> shadow" in forced.stdout
+    await set_mode(db, tenant.id, Mode.PRIMARY, "test")  # misses before this are past
+    assert await set_mode(db, tenant.id, Mode.LEGACY, "test") is Mode.PRIMARY
 
 
 async def test_a_shadow_sale_whose_twin_pgreserve_let_go_leaves_pgreserve_s_count(
@@ -1575,3 +1575,130 @@ async def test_a_key_redis_answered_first_keeps_its_answer_through_the_move_to_p
     view = await service.get_stock(tenant.id, "a", "x")
     assert (view.on_hand - view.reserved, view.available) == (1, 1)
     assert await service.invariant_violations() == []
+
+
+async def test_setting_primary_again_keeps_the_writes_redis_missed(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """`rollout set T primary` run again while T is in primary (a ramp script run twice,
+    a second operator) changes nothing: the writes Redis missed still count from when T
+    entered primary, and going back is still refused."""
+    await seed(service, store, tenant.id, "a", 4, "x")
+    await set_mode(db, tenant.id, Mode.PRIMARY, "first")
+    async with redis_down(rollout):
+        held = await rollout.reserve(tenant.id, "k1", [("a", "x", 4)], ttl=600)
+    assert held.held
+    await rollout.recorder.flush()
+    with pytest.raises(errors.RedisMissedWrites):
+        await set_mode(db, tenant.id, Mode.LEGACY, "ops")
+    assert await set_mode(db, tenant.id, Mode.PRIMARY, "again") is Mode.PRIMARY
+    with pytest.raises(errors.RedisMissedWrites, match="missed 1 write"):
+        await set_mode(db, tenant.id, Mode.LEGACY, "ops")
+    rows = await db.fetch("SELECT changed_by FROM rollout_mode WHERE tenant_id = %s",
+                          (tenant.id,))
+    assert rows == [("first",)]  # the switch into primary, not the run that changed nothing
+
+
+async def test_going_back_after_pgreserve_mode_is_refused_until_forced(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """In pgreserve mode Redis is not written: going back to legacy or shadow from there,
+    or from primary after a stay in pgreserve, is refused (Redis would sell what pgreserve
+    sold or holds) until --force. A tenant that was never in pgreserve mode since Redis
+    last answered for it goes back as before."""
+    await seed(service, store, tenant.id, "a", 3, "x")
+    await set_mode(db, tenant.id, Mode.PRIMARY, "ops")
+    await set_mode(db, tenant.id, Mode.PGRESERVE, "ops")
+    out = await rollout.reserve(tenant.id, "k1", [("a", "x", 3)], ttl=600)
+    assert out.held and out.reservation is not None
+    await rollout.claim(tenant.id, out.reservation.id)
+    for mode in (Mode.LEGACY, Mode.SHADOW):
+        with pytest.raises(errors.RedisMissedWrites, match="pgreserve mode"):
+            await set_mode(db, tenant.id, mode, "ops")
+    assert await set_mode(db, tenant.id, Mode.PRIMARY, "ops") is Mode.PGRESERVE
+    with pytest.raises(errors.RedisMissedWrites, match="pgreserve mode"):
+        await set_mode(db, tenant.id, Mode.LEGACY, "ops")
+    refused = await run(str(BIN), "rollout", "set", "acme", "legacy", "--database-url",
+                        db.conninfo, check=False)
+    assert refused.returncode == 1 and "pgreserve mode" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert await set_mode(db, tenant.id, Mode.LEGACY, "ops", force=True) is Mode.PRIMARY
+    # forced back: the stay in pgreserve is behind the tenant now
+    await set_mode(db, tenant.id, Mode.PRIMARY, "ops")
+    assert await set_mode(db, tenant.id, Mode.SHADOW, "ops") is Mode.PRIMARY
+
+
+async def test_a_primary_hold_finished_after_going_back_waits_for_redis(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database, redis_server: RedisServer) -> None:
+    """A hold taken in primary and claimed after the tenant went back to legacy, while
+    Redis refuses writes: Redis answers the caller now, so the claim is
+    `outcome_unknown` and pgreserve does not sell the hold either. Once the hold has
+    expired in both stores, its units sell once."""
+    await seed(service, store, tenant.id, "a", 2, "x")
+    await set_mode(db, tenant.id, Mode.PRIMARY, "ops")
+    held = await rollout.reserve(tenant.id, "k1", [("a", "x", 2)], ttl=1)
+    assert held.held and held.reservation is not None
+    await set_mode(db, tenant.id, Mode.LEGACY, "ops")
+    with refusing_writes(redis_server), pytest.raises(errors.OutcomeUnknown):
+        await rollout.claim(tenant.id, held.reservation.id, request_key="pay")
+    assert (await service.get_reservation(tenant.id, held.reservation.id)).status \
+        is Status.ACTIVE
+    await asyncio.sleep(1.5)
+    await rollout.expire_due()
+    await service.expire_due()
+    with pytest.raises(errors.ReservationExpired):  # the retry the 503 asked for
+        await rollout.claim(tenant.id, held.reservation.id, request_key="pay")
+    again = await rollout.reserve(tenant.id, "k2", [("a", "x", 2)], ttl=60)
+    assert again.held and again.reservation is not None
+    await rollout.claim(tenant.id, again.reservation.id)
+    assert await pg_sold(db, tenant.id, "a") == 0  # the first hold sold nowhere
+    rows = await db.fetch("SELECT coalesce(sum(quantity), 0) FROM rollout_legacy_sale"
+                          " WHERE tenant_id = %s", (tenant.id,))
+    assert rows == [(2,)]
+    assert (await service.get_stock(tenant.id, "a", "x")).on_hand == 0
+
+
+async def test_a_shadow_claim_redis_did_not_decide_leaves_the_twin_alone(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database, redis_server: RedisServer) -> None:
+    """In shadow a claim Redis refuses to write is `outcome_unknown`: pgreserve's twin
+    stays active (it was claimed before, and kept that sale when the retry found the
+    hold expired in Redis). The retry settles both: expired in Redis, expired in
+    pgreserve, sold in neither."""
+    await seed(service, store, tenant.id, "a", 2, "x")
+    await set_mode(db, tenant.id, Mode.SHADOW, "ops")
+    held = await rollout.reserve(tenant.id, "k1", [("a", "x", 2)], ttl=1)
+    assert held.held and held.reservation is not None
+    twin = await db.fetch("SELECT reservation_id FROM reservation WHERE tenant_id = %s",
+                          (tenant.id,))
+    assert len(twin) == 1
+    with refusing_writes(redis_server), pytest.raises(errors.OutcomeUnknown):
+        await rollout.claim(tenant.id, held.reservation.id, request_key="pay")
+    assert (await service.get_reservation(tenant.id, twin[0][0])).status is Status.ACTIVE
+    await asyncio.sleep(1.5)
+    await rollout.expire_due()
+    await service.expire_due()
+    with pytest.raises(errors.ReservationExpired):
+        await rollout.claim(tenant.id, held.reservation.id, request_key="pay")
+    assert (await service.get_reservation(tenant.id, twin[0][0])).status is Status.EXPIRED
+    assert await pg_sold(db, tenant.id, "a") == 0
+    assert (await service.get_stock(tenant.id, "a", "x")).on_hand == 2
+
+
+async def test_a_write_redis_missed_is_kept_when_the_comparison_buffer_is_full(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """The comparison buffer drops rows when the database does not keep up, but never a
+    write Redis missed: dropped, it would let the tenant go back to legacy."""
+    await seed(service, store, tenant.id, "a", 4, "x")
+    await set_mode(db, tenant.id, Mode.PRIMARY, "ops")
+    rollout.recorder.max_buffer = 0  # full
+    ok = await rollout.reserve(tenant.id, "k0", [("a", "x", 1)], ttl=600)
+    assert ok.held and rollout.recorder.dropped == 1  # a plain comparison is dropped
+    async with redis_down(rollout):
+        held = await rollout.reserve(tenant.id, "k1", [("a", "x", 2)], ttl=600)
+    assert held.held and rollout.recorder.dropped == 1
+    await rollout.recorder.flush()
+    with pytest.raises(errors.RedisMissedWrites, match="missed 1 write"):
+        await set_mode(db, tenant.id, Mode.LEGACY, "ops")

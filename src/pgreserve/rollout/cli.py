@@ -68,15 +68,16 @@ def rollout() -> None:
 @click.option("--by", "changed_by", default=None,
               help="Who makes the switch (default: user@host).")
 @click.option("--force", is_flag=True,
-              help="Go back from primary to legacy or shadow although Redis missed writes "
-                   "since (after counting every bucket again in primary).")
+              help="Go back to legacy or shadow although Redis missed writes (in primary, "
+                   "or every write while in pgreserve mode), after counting every bucket "
+                   "again in primary.")
 @_db_options
 def rollout_set(tenant: str, mode: str, changed_by: str | None, force: bool,
                 database_url: str | None, data_dir: str | None) -> None:
     """Switch TENANT to MODE (legacy, shadow, primary, pgreserve); running servers follow
-    within a second. Holds already taken finish under the mode they were taken in. From
-    primary back to legacy or shadow is refused while Redis missed writes since the
-    switch to primary (see --force)."""
+    within a second. Holds already taken finish under the mode they were taken in. Back
+    to legacy or shadow is refused while Redis missed writes since the switch to primary,
+    and after a stay in pgreserve mode (see --force)."""
     who = changed_by or f"{getpass.getuser()}@{socket.gethostname()}"
 
     async def go(db: Database) -> Mode:

@@ -77,6 +77,12 @@ class Comparison:
     def agree(self) -> bool:
         return agree(self.legacy, self.pgreserve)
 
+    @property
+    def redis_missed(self) -> bool:
+        """A write pgreserve served in primary that Redis did not answer: what refuses
+        going back to legacy (queries rollout_redis_miss_list)."""
+        return self.mode == "primary" and self.legacy.get("error") == "outcome_unknown"
+
 
 class RolloutMetrics:
     """Agreement and per-side latency; in the app's registry when given one."""
@@ -127,8 +133,11 @@ class Recorder:
 
     def add(self, c: Comparison) -> None:
         self.metrics.observe(c)
-        if len(self._rows) >= self.max_buffer:
-            self.dropped += 1  # the database is not keeping up: keep the metrics only
+        if len(self._rows) >= self.max_buffer and not c.redis_missed:
+            # the database is not keeping up: keep the metrics only. A write Redis
+            # missed is kept whatever the buffer holds: dropped, it would let the
+            # tenant go back to legacy, where Redis would sell what pgreserve holds
+            self.dropped += 1
             return
         self._rows.append(c)
         self._start()

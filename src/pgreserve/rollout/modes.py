@@ -94,10 +94,13 @@ async def set_mode(db: Database, tenant: int, mode: Mode | str, changed_by: str,
                    force: bool = False) -> Mode:
     """Switch a tenant's mode, recording who and when; return the mode it had.
 
-    Going back from `primary` to a mode where Redis answers is refused
-    (RedisMissedWrites) when the comparison recorded writes Redis missed since the
-    tenant entered `primary` (Redis did not answer): Redis lacks those holds or counts.
-    `force` switches anyway (after every bucket was counted again in `primary`). The
+    Going back to a mode where Redis answers is refused (RedisMissedWrites) when the
+    comparison recorded writes Redis missed since the tenant entered `primary` (Redis
+    did not answer), and when the tenant was in `pgreserve` since Redis last answered
+    for it (Redis missed every write then): Redis lacks those holds or counts. Setting
+    the mode a tenant has again changes nothing (the misses still count from when it
+    entered it). `force` switches anyway (after every bucket was counted again in
+    `primary` and the holds Redis does not know have ended). The
     comparison is written within a second or so of each request: a miss in the last
     moments before the switch may not be seen yet."""
     chosen = Mode.parse(mode.value if isinstance(mode, Mode) else mode)
@@ -105,6 +108,15 @@ async def set_mode(db: Database, tenant: int, mode: Mode | str, changed_by: str,
     if not 1 <= len(changed_by) <= 200:
         raise errors.InvalidRequest("changed_by must be 1 to 200 characters", field="by")
     if chosen.answers_from_redis and not force:
+        since = await db.fetch(queries["rollout_pgreserve_since_redis"], {"tenant": tenant},
+                               op=OP_MODE)
+        if since and since[0][0] is not None:
+            raise errors.RedisMissedWrites(
+                f"this tenant was in pgreserve mode (from {since[0][0]:%Y-%m-%d %H:%M:%S%z}) "
+                "since Redis last answered for it: Redis missed every write from then on "
+                "and would sell units pgreserve holds. In primary, count every bucket "
+                "again (PUT /v1/stock) and let the holds taken in pgreserve mode end, then "
+                "switch with --force; or stay in primary.")
         missed = await db.fetch(queries["rollout_redis_miss_list"], (tenant,), op=OP_MODE)
         count, first_at, first_key = missed[0] if missed else (0, None, None)
         if count:

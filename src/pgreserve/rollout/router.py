@@ -61,6 +61,7 @@ from ..errors import (
     ChangeNotMirrored,
     IdempotencyKeyReused,
     InvalidRequest,
+    OutcomeUnknown,
     ReservationClaimed,
     ReservationExpired,
     ReservationNotFound,
@@ -556,11 +557,20 @@ class Rollout:
             return await self.legacy_finish(action, tenant, record, ttl=ttl, asked=asked)
         compared_key = request_key or record.id
         async with self.locks.hold(tenant, record.lines):
-            if mode is Mode.SHADOW:
+            # Redis decides first where it answers the caller: a hold of a shadow tenant,
+            # and a hold taken in primary once its tenant went back to legacy or shadow
+            # (pgreserve's claim first would stand while Redis, refusing the write, kept
+            # the hold and gave its units back at its expiry: sold in both)
+            if mode is Mode.SHADOW or entry.mode.answers_from_redis:
                 started = perf_counter()
                 try:
                     legacy = await self.legacy_finish(action, tenant, record, ttl=ttl,
                                                       asked=asked)
+                except (OutcomeUnknown, Busy):
+                    # Redis decided nothing the caller knows of (it did not answer, or
+                    # answered with an error): pgreserve's hold stays as it is, and the
+                    # retry the caller is asked for settles both
+                    raise
                 except Exception as exc:
                     legacy_ms = _ms(started)
                     # Redis refused the claim (its hold expired or was released): the caller

@@ -22,7 +22,11 @@ WITH prior AS (
            redis_until = CASE WHEN EXCLUDED.mode <> 'pgreserve' THEN NULL
                               WHEN m.mode = 'pgreserve' THEN m.redis_until
                               ELSE now() + interval '24 hours' END,
-           changed_at = now(), changed_by = EXCLUDED.changed_by
+           -- set again to the mode it has, a tenant keeps the instant it entered it
+           -- (what the writes Redis missed in primary are counted from)
+           changed_at = CASE WHEN m.mode = EXCLUDED.mode THEN m.changed_at ELSE now() END,
+           changed_by = CASE WHEN m.mode = EXCLUDED.mode THEN m.changed_by
+                             ELSE EXCLUDED.changed_by END
     RETURNING mode, changed_at
 ), change AS (
     INSERT INTO rollout_mode_change (tenant_id, from_mode, to_mode, changed_by)
@@ -39,6 +43,16 @@ JOIN rollout_comparison c ON c.tenant_id = m.tenant_id AND c.mode = 'primary'
                          AND c.at >= m.changed_at
 WHERE m.tenant_id = %s AND m.mode = 'primary'
   AND c.legacy_outcome ->> 'error' = 'outcome_unknown';
+
+-- name: rollout_pgreserve_since_redis
+-- When the tenant last entered 'pgreserve' from another mode after its last switch to
+-- a mode where Redis answers (NULL: not since): Redis missed every write from then on.
+SELECT max(c.changed_at)
+FROM rollout_mode_change c
+WHERE c.tenant_id = %(tenant)s AND c.to_mode = 'pgreserve' AND c.from_mode <> 'pgreserve'
+  AND c.change_id > coalesce((SELECT max(r.change_id) FROM rollout_mode_change r
+                              WHERE r.tenant_id = %(tenant)s
+                                AND r.to_mode IN ('legacy', 'shadow')), 0);
 
 -- name: rollout_status_list
 -- Every tenant with its mode (a tenant without a row is in 'pgreserve').
