@@ -350,3 +350,48 @@ async def test_an_expired_hold_all_backordered_gives_its_allowance_to_the_next_c
     assert cart.held and cart.reservation is not None
     assert [x.backordered for x in cart.reservation.lines] == [0, 2]  # (other, yp)
     assert await svc.invariant_violations(tenant.id) == []
+
+
+@pytest.mark.parametrize("strategy", ["row", "pool"])
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+async def test_an_allocated_line_beside_a_backordered_line_of_its_bucket(
+        service: ReservationService, tenant: Tenant, strategy: str, split: bool) -> None:
+    """4 on hand at A with an allowance of 5. A cart of 3 at A and 2 allocated: the
+    allocated 2 are on hand at A, the explicit line takes the other 2 on hand and 1 of
+    the allowance (one line of 5 with 1 backordered, as 5 at A alone). With 5 more at A
+    the allocated 2 cannot be on hand anywhere: refused, showing 0 on hand for them, and
+    nothing is held. Once an allocated line would need the allowance, it is refused."""
+    from pgreserve.domain import AllocatedLine
+
+    await service.set_stock(tenant.id, "t", "A", 4, strategy=strategy, backorder_limit=5)
+    out = await service.reserve(tenant.id, "k1", [("t", "A", 3),
+                                                  AllocatedLine("t", 2, split=split)])
+    assert out.held and out.reservation is not None, out
+    assert [(x.location, x.quantity, x.backordered) for x in out.reservation.lines] == [
+        ("A", 5, 1)]
+    view = await service.get_stock(tenant.id, "t", "A")
+    assert (view.on_hand, view.available) == (4, 4)  # the allowance left: 4 of 5
+    again = await service.reserve(tenant.id, "k1", [("t", "A", 3),
+                                                    AllocatedLine("t", 2, split=split)])
+    assert again.replayed and again.reservation is not None
+    assert again.reservation.id == out.reservation.id
+    short = await service.reserve(tenant.id, "k2", [("t", "A", 1),
+                                                    AllocatedLine("t", 1, split=split)])
+    assert not short.held
+    assert [(s.location, s.requested, s.available) for s in short.short_lines] == [
+        (None, 1, 0)]
+    assert await service.get_stock(tenant.id, "t", "A") == view
+    await service.release(tenant.id, out.reservation.id)
+    # 4 on hand, allowance 5: 3 allocated and 5 at A need 4 on hand for the 3 and 1 of
+    # the 5, and 4 backordered: held; 5 allocated and 1 at A cannot be (4 on hand)
+    more = await service.reserve(tenant.id, "k3", [("t", "A", 5), AllocatedLine("t", 3,
+                                                                               split=split)])
+    assert more.held and more.reservation is not None, more
+    assert [(x.quantity, x.backordered) for x in more.reservation.lines] == [(8, 4)]
+    await service.release(tenant.id, more.reservation.id)
+    over = await service.reserve(tenant.id, "k4", [("t", "A", 1), AllocatedLine("t", 5,
+                                                                               split=split)])
+    assert not over.held
+    assert [(s.location, s.requested, s.available) for s in over.short_lines] == [
+        (None, 5, 4)]
+    assert await service.invariant_violations(tenant.id) == []

@@ -86,7 +86,9 @@ END $$;
 --
 -- Stock policy (policy.sql): the takes keep each bucket's safety stock. An
 -- allocated line promises only units on hand; a bucket's backorder allowance
--- serves the explicit lines, as in reserve_v1.
+-- serves the explicit lines, as in reserve_v1, also where an allocated line takes
+-- the same bucket with one (the units on hand go to both first, the allocated
+-- part never waits on the allowance).
 CREATE OR REPLACE FUNCTION reserve_allocated_v1(p_tenant bigint, p_key text, p_digest text,
                                      p_skus text[], p_locations text[],
                                      p_quantities integer[], p_alloc_skus text[],
@@ -128,6 +130,9 @@ DECLARE
     v_t_free integer[] := '{}';
     v_t_bo integer[] := '{}';
     v_bo record;
+    v_bo_ok boolean;       -- an allocated line's take used the explicit line's allowance
+    v_most integer;        -- the most an allocated part can have of a bucket, when known
+    v_units bigint[];
     v_unit_buckets bigint[] := '{}';
     v_unit_ids bigint[] := '{}';
     v_short_ex jsonb := '[]';
@@ -226,22 +231,54 @@ BEGIN
                 -- p_now, not v_now: a take that waited judges expiry when it decides
                 v_take := bucket_take_v1(p_tenant, v_c, v_base + v_want, p_now,
                                          NULL, NULL, NULL, true);
-                IF v_take.ok THEN
+                v_bo_ok := false;
+                v_most := NULL;
+                IF NOT v_take.ok AND v_base > 0 THEN
+                    -- The explicit line's part may come from the bucket's backorder
+                    -- allowance (units on hand first), the allocated part may not.
+                    v_bo := bucket_backorder_take_v1(p_tenant, v_c, v_base + v_want, p_now,
+                                                     true);
+                    IF v_bo.ok AND v_bo.backordered > v_base THEN
+                        -- it would backorder allocated units: give the take back (its
+                        -- pool units stay locked by us, not taken). What it found on
+                        -- hand is the most the allocated part can have here.
+                        UPDATE stock_bucket SET free = free + v_bo.from_free,
+                                                backorder_held = backorder_held - v_bo.backordered
+                        WHERE tenant_id = p_tenant AND bucket_id = v_c;
+                        v_most := v_bo.from_free + coalesce(cardinality(v_bo.units), 0);
+                    ELSIF v_bo.ok THEN
+                        v_bo_ok := true;
+                    ELSE
+                        -- on hand S, on hand and allowance S + A: the allocated part
+                        -- can have S less the explicit part the allowance cannot cover
+                        v_most := least(coalesce(v_take.seen_available, 0),
+                                        coalesce(v_bo.seen_available, 0) - v_base);
+                    END IF;
+                END IF;
+                IF v_take.ok OR v_bo_ok THEN
                     v_t_bucket := v_t_bucket || v_c;
                     v_t_qty := v_t_qty || (v_base + v_want);
-                    v_t_free := v_t_free || v_take.from_free;
-                    v_t_bo := v_t_bo || 0;
-                    IF v_take.units IS NOT NULL THEN
+                    IF v_take.ok THEN
+                        v_t_free := v_t_free || v_take.from_free;
+                        v_t_bo := v_t_bo || 0;
+                        v_units := v_take.units;
+                    ELSE
+                        v_t_free := v_t_free || v_bo.from_free;
+                        v_t_bo := v_t_bo || v_bo.backordered;
+                        v_units := v_bo.units;
+                    END IF;
+                    IF v_units IS NOT NULL THEN
                         v_unit_buckets := v_unit_buckets
-                                          || array_fill(v_c, ARRAY[cardinality(v_take.units)]);
-                        v_unit_ids := v_unit_ids || v_take.units;
+                                          || array_fill(v_c, ARRAY[cardinality(v_units)]);
+                        v_unit_ids := v_unit_ids || v_units;
                     END IF;
                     v_left := v_left - v_want;
                     EXIT;
                 END IF;
                 EXIT WHEN NOT p_splits[i];
                 -- split: what this bucket could serve, less each time (so it ends)
-                v_want := least(v_want - 1, coalesce(v_take.seen_available, 0) - v_base);
+                v_want := least(v_want - 1,
+                                coalesce(v_most, coalesce(v_take.seen_available, 0) - v_base));
                 EXIT WHEN v_want <= 0;
             END LOOP;
             EXIT WHEN v_left = 0;
@@ -259,8 +296,15 @@ BEGIN
                                     + coalesce(v_t_free[array_position(v_t_bucket, b.bucket_id)], 0)
                                     + greatest(0, e.expired - e.backordered - b.shortfall)
                                     - b.safety_stock)
-                                 - coalesce(p_quantities[array_position(v_ex_buckets,
-                                                                        b.bucket_id)], 0))
+                                 -- less the cart's explicit line there, as far as
+                                 -- the bucket's backorder allowance (this cart's own
+                                 -- use of it given back in thought) cannot serve it
+                                 - greatest(0, coalesce(p_quantities[array_position(
+                                                   v_ex_buckets, b.bucket_id)], 0)
+                                      - greatest(0, b.backorder_limit - b.backorder_held
+                                                    - b.backorder_owed
+                                                    + coalesce(v_t_bo[array_position(
+                                                          v_t_bucket, b.bucket_id)], 0))))
                      AS spare
               FROM stock_bucket b,
               LATERAL (SELECT coalesce(sum(l.quantity), 0) AS expired,
