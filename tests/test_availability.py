@@ -168,6 +168,18 @@ async def test_http_bad_availability_queries_are_422(api: ApiTenant, query: str)
     assert_problem(await api.client.get("/v1/availability" + query), 422, "invalid_request")
 
 
+async def test_http_repeats_are_answered_once_and_count_against_the_limit(
+        api: ApiTenant) -> None:
+    """A SKU sent 100 times is answered once; 101 values are 422 over HTTP, repeats
+    included (docs/api.md says so: the query's limit counts what is sent)."""
+    await put_stock(api, "tee", 5, location="w")
+    resp = await api.client.get("/v1/availability", params=[("sku", "tee")] * 100)
+    assert resp.status_code == 200, resp.text
+    assert [(i["sku"], i["available"]) for i in resp.json()["items"]] == [("tee", 5)]
+    assert_problem(await api.client.get("/v1/availability", params=[("sku", "tee")] * 101),
+                   422, "invalid_request")
+
+
 async def test_http_availability_needs_an_api_key(api: ApiTenant) -> None:
     """Without an API key: 401."""
     resp = await api.client.get("/v1/availability?sku=tee", headers={"Authorization": ""})
