@@ -33,6 +33,8 @@ REFUSED = [
     ("loopback", "[2002:7f00:1::]"), ("loopback", "[64:ff9b::7f00:1]"),
     # numeric forms the system resolver maps onto 127.0.0.1
     ("loopback", "2130706433"), ("loopback", "127.1"),
+    # a trailing dot (a fully qualified name) is the same address
+    ("loopback", "127.0.0.1."), ("unspecified", "0.0.0.0."),
 ]
 ALLOWED = ["93.184.215.14", "[2606:2800:21f:cb07:6820:80da:af6b:8b2c]"]
 BLOCKED = WebhookConfig(timeout_s=2.0, lease_s=5.0, backoff_base_s=0.02, backoff_cap_s=0.1,

@@ -78,7 +78,10 @@ def literal(host: str) -> IPAddress | None:
     """The address when `host` is an IP literal, else None (a name).
 
     Legacy numeric IPv4 forms (2130706433, 0x7f.1, 127.1) count as the address
-    the system's inet_aton makes of them."""
+    the system's inet_aton makes of them. A trailing dot (the root of a fully
+    qualified name: `127.0.0.1.`) does not change the address."""
+    if host.endswith(".") and not host.endswith(".."):
+        host = host[:-1]
     try:
         return ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:
