@@ -1702,3 +1702,28 @@ async def test_a_write_redis_missed_is_kept_when_the_comparison_buffer_is_full(
     await rollout.recorder.flush()
     with pytest.raises(errors.RedisMissedWrites, match="missed 1 write"):
         await set_mode(db, tenant.id, Mode.LEGACY, "ops")
+
+
+async def test_a_primary_hold_redis_lost_is_a_write_redis_missed(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database, redis_server: RedisServer) -> None:
+    """Redis restarted without its data while a tenant is in primary: a claim of a hold
+    Redis no longer has is pgreserve's, recorded as a write Redis missed, and going back
+    to legacy is refused (even after a recount: Redis would not know the claim)."""
+    await seed(service, store, tenant.id, "a", 4, "x")
+    await set_mode(db, tenant.id, Mode.PRIMARY, "ops")
+    held = await rollout.reserve(tenant.id, "k1", [("a", "x", 2)], ttl=600)
+    assert held.held and held.reservation is not None
+    client = redis_server.client()
+    lost = list(client.scan_iter(match=f"{store.namespace}:*", count=1000))
+    assert lost
+    client.delete(*lost)
+    await rollout.set_stock(tenant.id, "a", "x", 4)  # the operator counts again
+    done = await rollout.claim(tenant.id, held.reservation.id, request_key="pay")
+    assert done.status is Status.CLAIMED
+    await rollout.recorder.flush()
+    with pytest.raises(errors.RedisMissedWrites, match=r"missed 1 write.*request key pay"):
+        await set_mode(db, tenant.id, Mode.LEGACY, "ops")
+    _, latest = await reports.report(db, tenant.id)
+    assert [(d.operation, d.legacy["error"]) for d in latest] == [
+        ("claim", "missing_in_redis")]

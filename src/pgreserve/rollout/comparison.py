@@ -61,6 +61,12 @@ def agree(legacy: dict[str, Any], pgreserve: dict[str, Any]) -> bool:
             == {k: v for k, v in pgreserve.items() if k not in strip})
 
 
+# The legacy outcome of a finish in primary of a hold Redis has no record of.
+MISSING_IN_REDIS = "missing_in_redis"
+# The legacy outcomes (errors) of writes Redis missed in primary.
+REDIS_MISSED = ("outcome_unknown", MISSING_IN_REDIS)
+
+
 @dataclass(frozen=True)
 class Comparison:
     tenant: int
@@ -79,9 +85,10 @@ class Comparison:
 
     @property
     def redis_missed(self) -> bool:
-        """A write pgreserve served in primary that Redis did not answer: what refuses
+        """A write pgreserve served in primary that Redis did not answer, or of a hold
+        Redis had no record of: what refuses
         going back to legacy (queries rollout_redis_miss_list)."""
-        return self.mode == "primary" and self.legacy.get("error") == "outcome_unknown"
+        return self.mode == "primary" and self.legacy.get("error") in REDIS_MISSED
 
 
 class RolloutMetrics:

@@ -70,6 +70,7 @@ from ..errors import (
     UnsupportedInRolloutMode,
 )
 from .comparison import (
+    MISSING_IN_REDIS,
     Comparison,
     Recorder,
     RolloutMetrics,
@@ -541,6 +542,16 @@ class Rollout:
             if entry.mode.writes_redis:  # pgreserve mode writes nothing to Redis
                 self._compare(tenant, entry.mode, action, request_key or reservation_id,
                               error_outcome(exc), transition_outcome(pg), 0.0, _ms(started))
+            return pg
+        if record is None and entry.mode is Mode.PRIMARY:
+            # Redis has every hold taken while it is written: pgreserve's hold it does
+            # not have (lost with Redis's data, or taken while Redis was not written)
+            # is a write Redis missed, and going back to legacy stays refused
+            started = perf_counter()
+            pg = await self._pg(action, tenant, reservation_id, request_key, ttl, shorten)
+            self._compare(tenant, entry.mode, action, request_key or reservation_id,
+                          {"error": MISSING_IN_REDIS}, transition_outcome(pg), 0.0,
+                          _ms(started))
             return pg
         if record is None or record.mode == Mode.PGRESERVE.value:
             return await self._pg(action, tenant, reservation_id, request_key, ttl, shorten)

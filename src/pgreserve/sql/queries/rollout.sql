@@ -35,14 +35,15 @@ WITH prior AS (
 SELECT coalesce((SELECT mode FROM prior), 'pgreserve') FROM upsert;
 
 -- name: rollout_redis_miss_list
--- Writes Redis missed (it did not answer) since the tenant last entered 'primary', as
+-- Writes Redis missed (it did not answer, or had no record of the hold: lost with its
+-- data) since the tenant last entered 'primary', as
 -- the comparison recorded them: how many, the first one's time and request key.
 SELECT count(*), min(c.at), (array_agg(c.request_key ORDER BY c.at))[1]
 FROM rollout_mode m
 JOIN rollout_comparison c ON c.tenant_id = m.tenant_id AND c.mode = 'primary'
                          AND c.at >= m.changed_at
 WHERE m.tenant_id = %s AND m.mode = 'primary'
-  AND c.legacy_outcome ->> 'error' = 'outcome_unknown';
+  AND c.legacy_outcome ->> 'error' IN ('outcome_unknown', 'missing_in_redis');
 
 -- name: rollout_pgreserve_since_redis
 -- When the tenant last entered 'pgreserve' from another mode after its last switch to
