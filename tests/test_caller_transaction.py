@@ -211,3 +211,33 @@ async def test_the_callers_transaction_works_with_another_schema(
         cur = await shop.execute("SELECT on_hand FROM other.stock_bucket")
         assert await cur.fetchall() == [(1,)]
         assert await _orders(shop) == [("order-1",)]
+
+
+@pytest.mark.parametrize("level", [psycopg.IsolationLevel.REPEATABLE_READ,
+                                   psycopg.IsolationLevel.SERIALIZABLE],
+                         ids=["repeatable-read", "serializable"])
+async def test_a_snapshot_transaction_is_refused_so_a_freeze_holds(
+        service: ReservationService, tenant: Tenant,
+        shop: psycopg.AsyncConnection[tuple[object, ...]],
+        level: psycopg.IsolationLevel) -> None:
+    """A caller's REPEATABLE READ (or SERIALIZABLE) transaction that took its snapshot
+    before a freeze committed would not see the freeze, and its hold would pass it:
+    conn= needs READ COMMITTED, and such a transaction is InvalidRequest with nothing
+    done (its own transaction still usable). Under READ COMMITTED the freeze holds."""
+    await service.set_stock(tenant.id, "sku-1", "wh", 5)
+    await shop.set_autocommit(False)
+    await shop.set_isolation_level(level)
+    async with shop.transaction():
+        await shop.execute("SELECT count(*) FROM public.shop_order")  # the snapshot
+        await service.freeze(tenant.id, "incident", "op", sku="sku-1", location="wh")
+        with pytest.raises(InvalidRequest, match=r"READ COMMITTED transaction \(this one is "):
+            await service.reserve(tenant.id, "late", [Line("sku-1", "wh", 2)], conn=shop)
+        await shop.execute("INSERT INTO public.shop_order VALUES ('still-usable', NULL)")
+    await shop.set_isolation_level(None)  # the server's default: READ COMMITTED
+    await shop.set_autocommit(True)
+    assert await _orders(shop) == [("still-usable",)]
+    async with shop.transaction():
+        await shop.execute("SELECT count(*) FROM public.shop_order")
+        out = await service.reserve(tenant.id, "late", [Line("sku-1", "wh", 2)], conn=shop)
+    assert not out.held and out.reason == "bucket_frozen"
+    assert (await service.get_stock(tenant.id, "sku-1", "wh")).available == 5

@@ -556,7 +556,8 @@ class Database:
         it runs under a savepoint, so a refusal (a typed PgReserveError) or any
         other error leaves the caller's transaction as it was before the call,
         still open. The statement must name pgreserve's objects with their schema
-        (the caller's search_path is not touched)."""
+        (the caller's search_path is not touched). The transaction must be READ
+        COMMITTED (InvalidRequest otherwise, nothing done)."""
         status = conn.info.transaction_status
         if status == pq.TransactionStatus.INERROR:
             raise errors.InvalidRequest(
@@ -566,6 +567,18 @@ class Database:
             raise errors.InvalidRequest(
                 "conn= runs the operation inside the caller's open transaction: start "
                 "one first (async with conn.transaction(): ...), then pass the connection")
+        # pgreserve's functions read what committed before each of their statements (a
+        # reserve that waited on a freeze's lock sees the freeze); under a snapshot the
+        # caller took earlier they would not, and a hold could pass a freeze
+        cur = await conn.execute(queries["transaction_isolation_get"], prepare=False)
+        isolation = await cur.fetchone()
+        if isolation is None or isolation[0] != "read committed":
+            level = "unknown" if isolation is None else isolation[0]
+            raise errors.InvalidRequest(
+                f"conn= needs a READ COMMITTED transaction (this one is {level}): "
+                "pgreserve's operations must see what committed before each of their "
+                "statements (a freeze, another buyer's take), which a snapshot taken "
+                "earlier hides")
         try:
             async with conn.transaction():
                 cur = await conn.execute(tagged(sql, op), params, prepare=False)

@@ -13,6 +13,10 @@ BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL search_path TO {}; SET LOCAL loc
 -- autocommit statement has; only the schema is set.
 BEGIN; SET LOCAL search_path TO {};
 
+-- name: transaction_isolation_get
+-- The isolation of the caller's own transaction (Database.call_on).
+SELECT current_setting('transaction_isolation');
+
 -- name: transaction_search_path
 -- A tool's own transaction (db/schema.py): pgreserve's schema, for this transaction only.
 SET LOCAL search_path TO {};
