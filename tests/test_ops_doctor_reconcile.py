@@ -94,6 +94,15 @@ def test_doctor_passes_on_the_tuned_server(dsn: str) -> None:
     untuned = found["stock_unit partition autovacuum settings"]["found"]
     assert code == 1 and "stock_unit_p4" in untuned and "stock_unit_p5" in untuned
     assert "stock_unit_p3," not in untuned and not untuned.endswith("stock_unit_p3")
+    # the fix it prints tunes such a partition; autovacuum on in another spelling is on
+    fix = found["stock_unit partition autovacuum settings"]["fix"]
+    assert "autovacuum_enabled = on" in fix
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(fix.replace("<partition>", "stock_unit_p5"))
+        conn.execute("ALTER TABLE stock_unit_p4 SET (autovacuum_vacuum_scale_factor = 0,"
+                     " autovacuum_enabled = YES)")
+    code, found = run_doctor(dsn)
+    assert found["stock_unit partition autovacuum settings"]["status"] == "ok", found
 
 
 async def held(service: ReservationService, tenant: Tenant, key: str, sku: str,

@@ -283,6 +283,14 @@ def _tuned(reloptions: str) -> bool:
     try:
         return (float(options.get("autovacuum_vacuum_scale_factor", "nan")) == 0
                 and int(options.get("autovacuum_vacuum_threshold", "-1")) >= 0
-                and options.get("autovacuum_enabled", "true").lower() in ("true", "on", "1"))
+                and _pg_true(options.get("autovacuum_enabled", "true")))
     except ValueError:
         return False
+
+
+def _pg_true(value: str) -> bool:
+    """A boolean option PostgreSQL reads as true, in any spelling it stores as given
+    (true, yes, on, 1, and the prefixes t, tr, y, ye; any case)."""
+    text = value.strip().lower()
+    return text in ("on", "1") or (text != "" and ("true".startswith(text)
+                                                   or "yes".startswith(text)))

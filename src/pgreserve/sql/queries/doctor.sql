@@ -41,7 +41,7 @@ ALTER SYSTEM SET autovacuum = on; SELECT pg_reload_conf();
 
 -- name: pool_partition_autovacuum_fix
 -- The operator names the partition.
-ALTER TABLE <partition> SET (autovacuum_vacuum_scale_factor = 0.0, autovacuum_vacuum_threshold = 1000, autovacuum_vacuum_cost_delay = 0)
+ALTER TABLE <partition> SET (autovacuum_enabled = on, autovacuum_vacuum_scale_factor = 0.0, autovacuum_vacuum_threshold = 1000, autovacuum_vacuum_cost_delay = 0)
 
 -- name: pg_stat_statements_preload_fix
 ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'; ALTER SYSTEM SET pg_stat_statements.track = 'all';
