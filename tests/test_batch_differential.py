@@ -30,7 +30,7 @@ from pgreserve.errors import (
     ReservationReleased,
     UnknownStock,
 )
-from test_batch_order import queued_in_order
+from test_batch_order import together_or_apart
 from test_batching import bucket_id, bucket_locked
 from test_concurrency import deadlocks, wait_until_blocked
 
@@ -114,28 +114,12 @@ async def run(db: Database, dsn: str, scenario: Scenario, name: str, batched: bo
     calls: list[Callable[[], Awaitable[Any]]] = [
         functools.partial(step, svc, tenant, ids) for step in scenario.steps]
     if batched:
-        assert svc.combiner is not None
         bucket = await bucket_id(db, tenant, SKU)
         for rid in ids.values():  # the service knows the buckets (as after its own reserve)
             svc._remember_bucket(tenant, uuid.UUID(rid), bucket)
-        queue = svc.combiner._queues
-        with bucket_locked(db.conninfo, bucket) as blocker:
-            first = asyncio.ensure_future(svc.reserve(tenant, "first", [(SKU, LOC, 1)]))
-            await wait_until_blocked(db.conninfo)
-            tasks = await queued_in_order(lambda: len(queue.get((tenant, bucket), ())), calls)
-            blocker.rollback()
-        await first
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        sizes = dict(svc.combiner.stats.sizes)
-    else:
-        await plain.reserve(tenant, "first", [(SKU, LOC, 1)])
-        results = []
-        for call in calls:
-            try:
-                results.append(await call())
-            except Exception as exc:  # noqa: BLE001
-                results.append(exc)
-        sizes = {}
+    results = await together_or_apart(db, svc, plain, tenant, (SKU, LOC), calls, batched,
+                                      catch=Exception)
+    sizes = dict(svc.combiner.stats.sizes) if batched and svc.combiner is not None else {}
     violations = await plain.invariant_violations(tenant)
     state = books(dsn, tenant)
     stored = ledger(dsn, tenant)

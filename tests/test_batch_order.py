@@ -77,6 +77,36 @@ async def queued_in_order(combiner_queue: Callable[[], int],
     return tasks
 
 
+async def together_or_apart(db: Database, svc: ReservationService,
+                            plain: ReservationService, tenant: int, stock: tuple[str, str],
+                            calls: list[Callable[[], Awaitable[Any]]], batched: bool,
+                            catch: type[Exception] = PgReserveError) -> list[Any]:
+    """The calls' answers (or the errors of type `catch` they raised), after a first
+    reserve of one unit of `stock`: `batched`, as one batch of `svc` in their order
+    (each queued behind the bucket's row, held until all are); else one by one through
+    `plain`, unbatched."""
+    sku, location = stock
+    if batched:
+        assert svc.combiner is not None
+        bucket = await bucket_id(db, tenant, sku)
+        queue = svc.combiner._queues
+        with bucket_locked(db.conninfo, bucket) as blocker:
+            first = asyncio.ensure_future(svc.reserve(tenant, "first", [(sku, location, 1)]))
+            await wait_until_blocked(db.conninfo)
+            tasks = await queued_in_order(lambda: len(queue.get((tenant, bucket), ())), calls)
+            blocker.rollback()
+        await first
+        return list(await asyncio.gather(*tasks, return_exceptions=True))
+    await plain.reserve(tenant, "first", [(sku, location, 1)])
+    results: list[Any] = []
+    for call in calls:
+        try:
+            results.append(await call())
+        except catch as exc:
+            results.append(exc)
+    return results
+
+
 async def run(db: Database, scenario: Scenario, name: str, batched: bool,
               now: list[datetime]) -> tuple[list[tuple[Any, ...]], tuple[int, ...],
                                             list[tuple[Any, ...]]]:
@@ -89,25 +119,8 @@ async def run(db: Database, scenario: Scenario, name: str, batched: bool,
         await scenario.setup(plain, tenant, ids)
     calls: list[Callable[[], Awaitable[Any]]] = [
         functools.partial(step, svc, tenant, ids) for step in scenario.steps]
-    if batched:
-        assert svc.combiner is not None
-        bucket = await bucket_id(db, tenant, SKU)
-        queue = svc.combiner._queues
-        with bucket_locked(db.conninfo, bucket) as blocker:
-            first = asyncio.ensure_future(svc.reserve(tenant, "first", [(SKU, LOCATION, 1)]))
-            await wait_until_blocked(db.conninfo)
-            tasks = await queued_in_order(lambda: len(queue.get((tenant, bucket), ())), calls)
-            blocker.rollback()
-        await first
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-    else:
-        await plain.reserve(tenant, "first", [(SKU, LOCATION, 1)])
-        results = []
-        for call in calls:
-            try:
-                results.append(await call())
-            except PgReserveError as exc:
-                results.append(exc)
+    results = await together_or_apart(db, svc, plain, tenant, (SKU, LOCATION), calls,
+                                      batched)
     view = await plain.get_stock(tenant, SKU, LOCATION)
     assert await plain.invariant_violations() == []
     replays = []

@@ -109,13 +109,13 @@ def log_lines(side: Side) -> list[dict[str, Any]]:
     return lines
 
 
-def http_metrics(side: Side) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def http_metrics(app: FastAPI) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """The HTTP layer's counters and histogram counts (not the durations' sums)."""
     wanted = ("pgreserve_http_requests_total", "pgreserve_reservation_outcomes_total",
               "pgreserve_reservation_transitions_total",
               "pgreserve_http_request_duration_seconds_count")
     out = {}
-    for metric in side.app.state.metrics.registry.collect():
+    for metric in app.state.metrics.registry.collect():
         for sample in metric.samples:
             if sample.name in wanted:
                 out[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
@@ -126,7 +126,7 @@ def assert_same(fast: Side, plain: Side) -> None:
     for n, (a, b) in enumerate(zip(fast.answers, plain.answers, strict=True)):
         assert a == b, f"answer {n} differs: fast {a!r} / plain {b!r}"
     assert log_lines(fast) == log_lines(plain)
-    assert http_metrics(fast) == http_metrics(plain)
+    assert http_metrics(fast.app) == http_metrics(plain.app)
 
 
 def reserve(key: str | None, body: Any, headers: dict[str, str] | None = None) -> Step:

@@ -28,6 +28,7 @@ from psycopg import sql
 from pgreserve import Database, ReservationService
 from pgreserve.http import create_app
 from pgreserve.http.requestlog import RequestLog
+from test_http_fast_path import http_metrics
 
 VERBOSE = bool(__import__("os").environ.get("DIFF_VERBOSE"))
 NOW = datetime(2030, 1, 1, tzinfo=UTC)
@@ -134,25 +135,13 @@ def log_lines(side: Side) -> list[dict[str, Any]]:
     return lines
 
 
-def http_metrics(side: Side) -> dict[Any, float]:
-    wanted = ("pgreserve_http_requests_total", "pgreserve_reservation_outcomes_total",
-              "pgreserve_reservation_transitions_total",
-              "pgreserve_http_request_duration_seconds_count")
-    out = {}
-    for metric in side.app.state.metrics.registry.collect():
-        for sample in metric.samples:
-            if sample.name in wanted:
-                out[sample.name, tuple(sorted(sample.labels.items()))] = sample.value
-    return out
-
-
 def side_effects_diff(fast: Side, plain: Side) -> list[str]:
     """Log lines and HTTP metrics that differ (not part of the answer, reported apart)."""
     out = []
     for n, (a, b) in enumerate(zip(log_lines(fast), log_lines(plain), strict=True)):
         if a != b:
             out.append(f"log line {n}: fast {a} / plain {b}")
-    fm, pm = http_metrics(fast), http_metrics(plain)
+    fm, pm = http_metrics(fast.app), http_metrics(plain.app)
     for k in sorted(set(fm) | set(pm), key=str):
         if fm.get(k) != pm.get(k):
             out.append(f"metric {k}: fast {fm.get(k)} / plain {pm.get(k)}")
