@@ -86,8 +86,8 @@ class Comparison:
     @property
     def redis_missed(self) -> bool:
         """A write pgreserve served in primary that Redis did not answer, or of a hold
-        Redis had no record of: what refuses
-        going back to legacy (queries rollout_redis_miss_list)."""
+        Redis had no record of: what refuses going back to legacy (the same rule as
+        the query rollout_redis_miss_list)."""
         return self.mode == "primary" and self.legacy.get("error") in REDIS_MISSED
 
 
