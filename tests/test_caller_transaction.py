@@ -3,6 +3,7 @@ open transaction, committed or rolled back with the caller's own writes."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import psycopg
@@ -241,3 +242,46 @@ async def test_a_snapshot_transaction_is_refused_so_a_freeze_holds(
         out = await service.reserve(tenant.id, "late", [Line("sku-1", "wh", 2)], conn=shop)
     assert not out.held and out.reason == "bucket_frozen"
     assert (await service.get_stock(tenant.id, "sku-1", "wh")).available == 5
+
+
+async def test_a_pool_take_hinted_to_wait_then_waits_for_a_slow_callers_units(
+        service: ReservationService, tenant: Tenant, plain_dsn: str) -> None:
+    """A caller's transaction holds the 7 lowest of 10 pool units. Another caller wants
+    6: its take locks the 3 highest and may not wait below them, so it fails with
+    the hint `pgreserve: wait for units`, its transaction still open. With
+    `pgreserve.wait_for_units` on, the same call waits for the first caller and then
+    holds the units that caller gave back."""
+    await service.set_stock(tenant.id, "s", "w", 10, strategy="pool", pool_cap=10)
+    connect = psycopg.AsyncConnection.connect
+    async with await connect(plain_dsn, autocommit=True) as admin, \
+            await connect(plain_dsn, autocommit=True) as first, \
+            await connect(plain_dsn, autocommit=True) as second:
+        # takes start at the lowest unit (no random start): who locks what is known
+        await admin.execute("UPDATE pgreserve.stock_bucket SET pool_hi = pool_lo"
+                            " WHERE tenant_id = %s", (tenant.id,))
+        await first.execute("BEGIN")
+        assert (await service.reserve(tenant.id, "first", [Line("s", "w", 7)],
+                                      conn=first)).held
+        await second.execute("BEGIN")
+        with pytest.raises(psycopg.errors.SerializationFailure) as failed:
+            await service.reserve(tenant.id, "second", [Line("s", "w", 6)], conn=second)
+        assert failed.value.diag.message_hint == "pgreserve: wait for units"
+        await second.execute("SET LOCAL pgreserve.wait_for_units = 'on'")
+        retry = asyncio.create_task(
+            service.reserve(tenant.id, "second", [Line("s", "w", 6)], conn=second))
+        for _ in range(500):
+            cur = await admin.execute(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND wait_event_type = 'Lock'")
+            if (await cur.fetchone() or (0,))[0]:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the retry never waited for the first caller's units")
+        assert not retry.done()
+        await first.execute("ROLLBACK")
+        assert (await retry).held
+        await second.execute("COMMIT")
+    view = await service.get_stock(tenant.id, "s", "w")
+    assert (view.reserved, view.available) == (6, 4)
+    assert await service.invariant_violations() == []

@@ -47,6 +47,11 @@ _SQLSTATE_ERRORS: dict[str, type[errors.PgReserveError]] = {
 _CONTENTION = {"40P01", "40001"}  # deadlock, serialization failure
 _RETRY_WHOLE = _CONTENTION | {"PR409"}  # and a key committed first
 _BUSY = {"55P03", "57014"}  # lock_timeout, statement_timeout
+# A pool take that held some of a bucket's units and needed lower ones that other
+# buyers held may not wait for them (a wait that could close a cycle): it fails with
+# this hint, and its retry waits for the units first, holding none (bucket_take_v1).
+_WAIT_FOR_UNITS_HINT = "pgreserve: wait for units"
+_WAIT_FOR_UNITS = b"SET LOCAL pgreserve.wait_for_units = 'on'; "
 # undefined_table, undefined_function, invalid_schema_name: pgreserve's schema is not there
 _NOT_MIGRATED = {"42P01", "42883", "3F000"}
 
@@ -377,6 +382,7 @@ class Database:
         started = time.monotonic()
         attempt = 0
         lost_before = False  # an earlier attempt's statement may have reached the database
+        wait_for_units = False
         while True:
             attempt += 1
             wait = 0.0
@@ -384,9 +390,9 @@ class Database:
                 wait = self._pool_wait(end)
                 if session is not None:
                     conn = await session.connection(wait)
-                    result = await self._run(conn, sql, params, end)
+                    result = await self._run(conn, sql, params, end, wait_for_units)
                 else:
-                    result = await self._once(sql, params, op, wait, end)
+                    result = await self._once(sql, params, op, wait, end, wait_for_units)
                 if lost_before:
                     self._emit(op, "unknown_outcome_resolved")
                 return result
@@ -408,6 +414,8 @@ class Database:
                     elif state == "40001":
                         self.stats.serialization_retried += 1
                         self._emit(op, "serialization_retried")
+                        wait_for_units = wait_for_units or (
+                            exc.diag.message_hint == _WAIT_FOR_UNITS_HINT)
                     elif state == "PR409":
                         self.stats.duplicate_key_retried += 1
                         self._emit(op, "duplicate_key_retried")
@@ -435,15 +443,19 @@ class Database:
                 raise
 
     async def _once(self, sql: LiteralString, params: Sequence[Any],
-                    op: Op | None, wait: float, end: float | None) -> Any:
+                    op: Op | None, wait: float, end: float | None,
+                    wait_for_units: bool = False) -> Any:
         pool = await self._pool_for(op)
         async with pool.connection(timeout=wait) as conn:
-            return await self._run(conn, sql, params, end)
+            return await self._run(conn, sql, params, end, wait_for_units)
 
     async def _run(self, conn: psycopg.AsyncConnection[Any], sql: LiteralString,
-                   params: Sequence[Any], end: float | None = None) -> Any:
+                   params: Sequence[Any], end: float | None = None,
+                   wait_for_units: bool = False) -> Any:
         statement = self._statement(sql)
         begin = self._begin_until(end)  # before anything is sent
+        if wait_for_units:
+            begin += _WAIT_FOR_UNITS
         # One message, one round trip: BEGIN, the transaction-local limits,
         # the call and COMMIT as a multi-statement simple query. The
         # transaction never waits on the client while it holds locks.

@@ -130,6 +130,9 @@ DECLARE
     v_held integer;
     v_round integer;
     v_look integer;
+    v_mine record;
+    v_top bigint;
+    v_start bigint;
     -- expiry is judged at each deciding statement (p_now NULL: the database's clock then)
     v_cut timestamptz;
 BEGIN
@@ -206,11 +209,20 @@ BEGIN
         END IF;
 
         taken_as := 'pool';
-        v_take := pool_take_units_v1(
-            p_tenant, p_bucket, p_qty,
-            CASE WHEN v_hi > v_lo THEN v_lo + floor(random() * (v_hi - v_lo + 1))::bigint
-                 ELSE 0 END,
-            p_keep);
+        v_start := CASE WHEN v_hi > v_lo
+                        THEN v_lo + floor(random() * (v_hi - v_lo + 1))::bigint ELSE 0 END;
+        IF current_setting('pgreserve.wait_for_units', true) = 'on' THEN
+            -- A retry of a take that held some units and needed lower ones other
+            -- buyers held (below): this time it waits for them first, in unit
+            -- order, holding none of the bucket's units, then takes from the lowest.
+            PERFORM count(*) FROM (
+                SELECT 1 FROM stock_unit
+                WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+                ORDER BY unit_id LIMIT p_qty
+                FOR UPDATE) s;
+            v_start := 0;
+        END IF;
+        v_take := pool_take_units_v1(p_tenant, p_bucket, p_qty, v_start, p_keep);
         IF v_take.locked = p_qty THEN
             ok := true;
             units := v_take.units;
@@ -244,17 +256,30 @@ BEGIN
             EXIT WHEN v_free + greatest(0, v_expired - v_shortfall) > 0 OR v_look = 2;
             -- Only units other buyers hold can serve it: wait for them, in unit
             -- order; each is sold when its buyer commits, or stays if that
-            -- buyer was short. Two buyers that each hold part of what they need
-            -- can wait for each other here; PostgreSQL breaks the cycle
-            -- (40P01), the victim is retried whole and the survivor gets its
-            -- units: exact answers, at the cost of deadlock_timeout for the
-            -- victim at the moment of sell-out.
-            SELECT count(*) INTO v_held FROM (
-                SELECT 1 FROM stock_unit
-                WHERE tenant_id = p_tenant AND bucket_id = p_bucket
-                ORDER BY unit_id LIMIT p_qty
-                FOR UPDATE) s;
-            v_held := greatest(v_held, v_take.locked);
+            -- buyer was short. A buyer already holding some of this bucket's
+            -- units (the take above) waits only for units above the highest it
+            -- holds: every wait points to a buyer holding a higher unit, so
+            -- two buyers that each hold part of what they need never wait for
+            -- each other (no deadlock). One that still needs lower units is
+            -- retried whole (below, hinted 'pgreserve: wait for units'), which
+            -- frees its units for the others, and its retry waits for them
+            -- first, holding none. The relock lists the units held here (and
+            -- any that came free since) without waiting.
+            v_top := NULL;
+            v_held := 0;
+            IF v_take.locked > 0 THEN
+                v_mine := pool_take_units_v1(p_tenant, p_bucket, p_qty, 0, true);
+                v_held := v_mine.locked;
+                SELECT max(u) INTO v_top FROM unnest(v_mine.units) u;
+            END IF;
+            IF v_held < p_qty THEN
+                SELECT v_held + count(*) INTO v_held FROM (
+                    SELECT 1 FROM stock_unit
+                    WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+                      AND unit_id > coalesce(v_top, 0)  -- ids start at 1
+                    ORDER BY unit_id LIMIT p_qty - v_held
+                    FOR UPDATE) s;
+            END IF;
             IF v_held >= p_qty THEN
                 v_take := pool_take_units_v1(p_tenant, p_bucket, p_qty, 0, p_keep);
                 IF v_take.locked = p_qty THEN
@@ -287,7 +312,9 @@ BEGIN
                 END IF;
             END IF;
             RAISE EXCEPTION 'bucket % is short of units being taken or refilled: retry', p_bucket
-                USING ERRCODE = 'serialization_failure';
+                USING ERRCODE = 'serialization_failure',
+                      HINT = CASE WHEN v_held > 0 OR v_take.locked > 0
+                                  THEN 'pgreserve: wait for units' ELSE '' END;
         END IF;
         -- The refiller: nothing else refills, switches or changes the bucket
         -- until this transaction ends.
@@ -324,7 +351,9 @@ BEGIN
             RETURN;
         END IF;
         RAISE EXCEPTION 'bucket % is short of units other buyers hold: retry', p_bucket
-            USING ERRCODE = 'serialization_failure';
+            USING ERRCODE = 'serialization_failure',
+                  HINT = CASE WHEN v_held > 0 OR v_take.locked > 0
+                                  THEN 'pgreserve: wait for units' ELSE '' END;
     END LOOP;
     RAISE EXCEPTION 'the strategy of bucket % kept changing: retry', p_bucket
         USING ERRCODE = 'serialization_failure';
