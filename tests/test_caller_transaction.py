@@ -266,6 +266,10 @@ async def test_a_pool_take_hinted_to_wait_then_waits_for_a_slow_callers_units(
         with pytest.raises(psycopg.errors.SerializationFailure) as failed:
             await service.reserve(tenant.id, "second", [Line("s", "w", 6)], conn=second)
         assert failed.value.diag.message_hint == "pgreserve: wait for units"
+        cur = await admin.execute("SELECT bucket_id FROM pgreserve.stock_bucket"
+                                  " WHERE tenant_id = %s", (tenant.id,))
+        bucket = (await cur.fetchone() or (None,))[0]
+        assert failed.value.diag.message_detail == str(bucket)  # which bucket to wait for
         await second.execute("SET LOCAL pgreserve.wait_for_units = 'on'")
         retry = asyncio.create_task(
             service.reserve(tenant.id, "second", [Line("s", "w", 6)], conn=second))
@@ -284,4 +288,31 @@ async def test_a_pool_take_hinted_to_wait_then_waits_for_a_slow_callers_units(
         await second.execute("COMMIT")
     view = await service.get_stock(tenant.id, "s", "w")
     assert (view.reserved, view.available) == (6, 4)
+    assert await service.invariant_violations() == []
+
+
+async def test_a_take_told_to_wait_for_units_does_not_wait_when_the_pool_can_serve(
+        service: ReservationService, tenant: Tenant, plain_dsn: str) -> None:
+    """With `pgreserve.wait_for_units` on, a take first tries the units nobody holds:
+    a paused caller holding the lowest unit of a pool of 10 is not waited for when
+    nine others are there (a wait would end in lock_timeout, not in a hold)."""
+    await service.set_stock(tenant.id, "s", "w", 10, strategy="pool", pool_cap=10)
+    connect = psycopg.AsyncConnection.connect
+    async with await connect(plain_dsn, autocommit=True) as admin, \
+            await connect(plain_dsn, autocommit=True) as first, \
+            await connect(plain_dsn, autocommit=True) as second:
+        await admin.execute("UPDATE pgreserve.stock_bucket SET pool_hi = pool_lo"
+                            " WHERE tenant_id = %s", (tenant.id,))
+        await first.execute("BEGIN")
+        assert (await service.reserve(tenant.id, "first", [Line("s", "w", 1)],
+                                      conn=first)).held
+        await second.execute("BEGIN")
+        await second.execute("SET LOCAL pgreserve.wait_for_units = 'on'")
+        await second.execute("SET LOCAL lock_timeout = '2s'")
+        assert (await service.reserve(tenant.id, "second", [Line("s", "w", 2)],
+                                      conn=second)).held
+        await second.execute("COMMIT")
+        await first.execute("COMMIT")
+    view = await service.get_stock(tenant.id, "s", "w")
+    assert (view.reserved, view.available) == (3, 7)
     assert await service.invariant_violations() == []

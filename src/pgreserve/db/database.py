@@ -8,7 +8,7 @@ import logging
 import random
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -49,9 +49,17 @@ _RETRY_WHOLE = _CONTENTION | {"PR409"}  # and a key committed first
 _BUSY = {"55P03", "57014"}  # lock_timeout, statement_timeout
 # A pool take that held some of a bucket's units and needed lower ones that other
 # buyers held may not wait for them (a wait that could close a cycle): it fails with
-# this hint, and its retry waits for the units first, holding none (bucket_take_v1).
+# this hint and the bucket's id as DETAIL, and the retry names that bucket in
+# pgreserve.wait_for_units, so that its take there waits for them (bucket_take_v1).
 _WAIT_FOR_UNITS_HINT = "pgreserve: wait for units"
-_WAIT_FOR_UNITS = b"SET LOCAL pgreserve.wait_for_units = 'on'; "
+
+
+def _wait_for_units(exc: psycopg.errors.Error) -> str | None:
+    """The bucket id a hinted serialization failure names, else None."""
+    detail = exc.diag.message_detail or ""
+    if exc.diag.message_hint == _WAIT_FOR_UNITS_HINT and detail.isascii() and detail.isdigit():
+        return detail
+    return None
 # undefined_table, undefined_function, invalid_schema_name: pgreserve's schema is not there
 _NOT_MIGRATED = {"42P01", "42883", "3F000"}
 
@@ -382,7 +390,7 @@ class Database:
         started = time.monotonic()
         attempt = 0
         lost_before = False  # an earlier attempt's statement may have reached the database
-        wait_for_units = False
+        wait_for_units: set[str] = set()  # buckets whose takes wait for units first
         while True:
             attempt += 1
             wait = 0.0
@@ -414,8 +422,9 @@ class Database:
                     elif state == "40001":
                         self.stats.serialization_retried += 1
                         self._emit(op, "serialization_retried")
-                        wait_for_units = wait_for_units or (
-                            exc.diag.message_hint == _WAIT_FOR_UNITS_HINT)
+                        bucket = _wait_for_units(exc)
+                        if bucket is not None:
+                            wait_for_units.add(bucket)
                     elif state == "PR409":
                         self.stats.duplicate_key_retried += 1
                         self._emit(op, "duplicate_key_retried")
@@ -444,18 +453,19 @@ class Database:
 
     async def _once(self, sql: LiteralString, params: Sequence[Any],
                     op: Op | None, wait: float, end: float | None,
-                    wait_for_units: bool = False) -> Any:
+                    wait_for_units: Collection[str] = ()) -> Any:
         pool = await self._pool_for(op)
         async with pool.connection(timeout=wait) as conn:
             return await self._run(conn, sql, params, end, wait_for_units)
 
     async def _run(self, conn: psycopg.AsyncConnection[Any], sql: LiteralString,
                    params: Sequence[Any], end: float | None = None,
-                   wait_for_units: bool = False) -> Any:
+                   wait_for_units: Collection[str] = ()) -> Any:
         statement = self._statement(sql)
         begin = self._begin_until(end)  # before anything is sent
-        if wait_for_units:
-            begin += _WAIT_FOR_UNITS
+        if wait_for_units:  # bucket ids: digits only (_wait_for_units)
+            begin += b"SET LOCAL pgreserve.wait_for_units = '%s'; " % ",".join(
+                sorted(wait_for_units)).encode()
         # One message, one round trip: BEGIN, the transaction-local limits,
         # the call and COMMIT as a multi-statement simple query. The
         # transaction never waits on the client while it holds locks.

@@ -133,6 +133,7 @@ DECLARE
     v_mine record;
     v_top bigint;
     v_start bigint;
+    v_wait text;
     -- expiry is judged at each deciding statement (p_now NULL: the database's clock then)
     v_cut timestamptz;
 BEGIN
@@ -211,18 +212,30 @@ BEGIN
         taken_as := 'pool';
         v_start := CASE WHEN v_hi > v_lo
                         THEN v_lo + floor(random() * (v_hi - v_lo + 1))::bigint ELSE 0 END;
-        IF current_setting('pgreserve.wait_for_units', true) = 'on' THEN
+        v_wait := current_setting('pgreserve.wait_for_units', true);
+        IF v_wait = 'on' OR p_bucket::text = ANY (string_to_array(v_wait, ',')) THEN
             -- A retry of a take that held some units and needed lower ones other
-            -- buyers held (below): this time it waits for them first, in unit
-            -- order, holding none of the bucket's units, then takes from the lowest.
-            PERFORM count(*) FROM (
-                SELECT 1 FROM stock_unit
-                WHERE tenant_id = p_tenant AND bucket_id = p_bucket
-                ORDER BY unit_id LIMIT p_qty
-                FOR UPDATE) s;
-            v_start := 0;
+            -- buyers held (below, the hint): it takes without waiting if the
+            -- units are there; a short take gives back what it locked (the
+            -- block is a subtransaction, entered only on such a retry) and
+            -- waits for the lowest units in unit order, holding none of those
+            -- it just locked, then takes from the lowest.
+            BEGIN
+                v_take := pool_take_units_v1(p_tenant, p_bucket, p_qty, v_start, p_keep);
+                IF v_take.locked < p_qty THEN
+                    RAISE EXCEPTION 'short' USING ERRCODE = 'PRW01';
+                END IF;
+            EXCEPTION WHEN SQLSTATE 'PRW01' THEN
+                PERFORM count(*) FROM (
+                    SELECT 1 FROM stock_unit
+                    WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+                    ORDER BY unit_id LIMIT p_qty
+                    FOR UPDATE) s;
+                v_take := pool_take_units_v1(p_tenant, p_bucket, p_qty, 0, p_keep);
+            END;
+        ELSE
+            v_take := pool_take_units_v1(p_tenant, p_bucket, p_qty, v_start, p_keep);
         END IF;
-        v_take := pool_take_units_v1(p_tenant, p_bucket, p_qty, v_start, p_keep);
         IF v_take.locked = p_qty THEN
             ok := true;
             units := v_take.units;
@@ -258,13 +271,14 @@ BEGIN
             -- order; each is sold when its buyer commits, or stays if that
             -- buyer was short. A buyer already holding some of this bucket's
             -- units (the take above) waits only for units above the highest it
-            -- holds: every wait points to a buyer holding a higher unit, so
-            -- two buyers that each hold part of what they need never wait for
-            -- each other (no deadlock). One that still needs lower units is
-            -- retried whole (below, hinted 'pgreserve: wait for units'), which
-            -- frees its units for the others, and its retry waits for them
-            -- first, holding none. The relock lists the units held here (and
-            -- any that came free since) without waiting.
+            -- holds: such a wait points to a buyer holding a higher unit, so
+            -- two buyers that each hold part of what they need do not wait for
+            -- each other (they deadlocked before). One that still needs lower
+            -- units is retried whole (below, hinted 'pgreserve: wait for
+            -- units'), which frees its units for the others, and its retry
+            -- waits for them (above). The relock lists the units held here
+            -- (and any that came free since) without waiting; units this
+            -- transaction deleted in an earlier take are not among them.
             v_top := NULL;
             v_held := 0;
             IF v_take.locked > 0 THEN
@@ -312,9 +326,7 @@ BEGIN
                 END IF;
             END IF;
             RAISE EXCEPTION 'bucket % is short of units being taken or refilled: retry', p_bucket
-                USING ERRCODE = 'serialization_failure',
-                      HINT = CASE WHEN v_held > 0 OR v_take.locked > 0
-                                  THEN 'pgreserve: wait for units' ELSE '' END;
+                USING ERRCODE = 'serialization_failure';
         END IF;
         -- The refiller: nothing else refills, switches or changes the bucket
         -- until this transaction ends.
@@ -350,10 +362,16 @@ BEGIN
             seen_available := v_usable;
             RETURN;
         END IF;
+        -- Holding units, it may not have waited for lower ones (above): the
+        -- hint has its retry wait for them first (Database.call), DETAIL says
+        -- for which bucket.
+        IF v_held > 0 OR v_take.locked > 0 THEN
+            RAISE EXCEPTION 'bucket % is short of units other buyers hold: retry', p_bucket
+                USING ERRCODE = 'serialization_failure', HINT = 'pgreserve: wait for units',
+                      DETAIL = p_bucket::text;
+        END IF;
         RAISE EXCEPTION 'bucket % is short of units other buyers hold: retry', p_bucket
-            USING ERRCODE = 'serialization_failure',
-                  HINT = CASE WHEN v_held > 0 OR v_take.locked > 0
-                                  THEN 'pgreserve: wait for units' ELSE '' END;
+            USING ERRCODE = 'serialization_failure';
     END LOOP;
     RAISE EXCEPTION 'the strategy of bucket % kept changing: retry', p_bucket
         USING ERRCODE = 'serialization_failure';
@@ -432,8 +450,17 @@ BEGIN
     -- keeps refilling is answered Busy.
     v_drained := 0;
     FOR v_round IN 1 .. 50 LOOP
-        WITH drained AS (
-            DELETE FROM stock_unit WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+        -- in unit order: a buyer waits only for units above the highest it
+        -- holds, so an unordered drain could delete a higher unit and then wait
+        -- for that buyer's lower one
+        WITH locked AS MATERIALIZED (
+            SELECT unit_id FROM stock_unit
+            WHERE tenant_id = p_tenant AND bucket_id = p_bucket
+            ORDER BY unit_id
+            FOR UPDATE
+        ), drained AS (
+            DELETE FROM stock_unit u USING locked l
+            WHERE u.tenant_id = p_tenant AND u.bucket_id = p_bucket AND u.unit_id = l.unit_id
             RETURNING 1
         )
         SELECT count(*) INTO v_batch FROM drained;
