@@ -244,75 +244,76 @@ async def test_a_snapshot_transaction_is_refused_so_a_freeze_holds(
     assert (await service.get_stock(tenant.id, "sku-1", "wh")).available == 5
 
 
-async def test_a_pool_take_hinted_to_wait_then_waits_for_a_slow_callers_units(
-        service: ReservationService, tenant: Tenant, plain_dsn: str) -> None:
-    """A caller's transaction holds the 7 lowest of 10 pool units. Another caller wants
-    6: its take locks the 3 highest and may not wait below them, so it fails with
-    the hint `pgreserve: wait for units`, its transaction still open. With
-    `pgreserve.wait_for_units` on, the same call waits for the first caller and then
-    holds the units that caller gave back."""
+Conns = tuple[psycopg.AsyncConnection[tuple[object, ...]], ...]
+
+
+@pytest_asyncio.fixture
+async def pool_of_ten(service: ReservationService, tenant: Tenant,
+                      plain_dsn: str) -> AsyncIterator[Conns]:
+    """SKU s at w: a pool of 10 units whose takes start at the lowest unit (no random
+    start: who locks what is known), and three connections: admin, first, second."""
     await service.set_stock(tenant.id, "s", "w", 10, strategy="pool", pool_cap=10)
     connect = psycopg.AsyncConnection.connect
     async with await connect(plain_dsn, autocommit=True) as admin, \
             await connect(plain_dsn, autocommit=True) as first, \
             await connect(plain_dsn, autocommit=True) as second:
-        # takes start at the lowest unit (no random start): who locks what is known
         await admin.execute("UPDATE pgreserve.stock_bucket SET pool_hi = pool_lo"
                             " WHERE tenant_id = %s", (tenant.id,))
         await first.execute("BEGIN")
-        assert (await service.reserve(tenant.id, "first", [Line("s", "w", 7)],
-                                      conn=first)).held
         await second.execute("BEGIN")
-        with pytest.raises(psycopg.errors.SerializationFailure) as failed:
-            await service.reserve(tenant.id, "second", [Line("s", "w", 6)], conn=second)
-        assert failed.value.diag.message_hint == "pgreserve: wait for units"
-        cur = await admin.execute("SELECT bucket_id FROM pgreserve.stock_bucket"
-                                  " WHERE tenant_id = %s", (tenant.id,))
-        bucket = (await cur.fetchone() or (None,))[0]
-        assert failed.value.diag.message_detail == str(bucket)  # which bucket to wait for
-        await second.execute("SET LOCAL pgreserve.wait_for_units = 'on'")
-        retry = asyncio.create_task(
-            service.reserve(tenant.id, "second", [Line("s", "w", 6)], conn=second))
-        for _ in range(500):
-            cur = await admin.execute(
-                "SELECT count(*) FROM pg_stat_activity"
-                " WHERE datname = current_database() AND wait_event_type = 'Lock'")
-            if (await cur.fetchone() or (0,))[0]:
-                break
-            await asyncio.sleep(0.01)
-        else:
-            raise AssertionError("the retry never waited for the first caller's units")
-        assert not retry.done()
-        await first.execute("ROLLBACK")
-        assert (await retry).held
-        await second.execute("COMMIT")
+        yield admin, first, second
+
+
+async def test_a_pool_take_hinted_to_wait_then_waits_for_a_slow_callers_units(
+        service: ReservationService, tenant: Tenant, pool_of_ten: Conns) -> None:
+    """A caller's transaction holds the 7 lowest of 10 pool units. Another caller wants
+    6: its take locks the 3 highest and may not wait below them, so it fails with
+    the hint `pgreserve: wait for units`, its transaction still open. With
+    `pgreserve.wait_for_units` on, the same call waits for the first caller and then
+    holds the units that caller gave back."""
+    admin, first, second = pool_of_ten
+    assert (await service.reserve(tenant.id, "first", [Line("s", "w", 7)], conn=first)).held
+    with pytest.raises(psycopg.errors.SerializationFailure) as failed:
+        await service.reserve(tenant.id, "second", [Line("s", "w", 6)], conn=second)
+    assert failed.value.diag.message_hint == "pgreserve: wait for units"
+    cur = await admin.execute("SELECT bucket_id FROM pgreserve.stock_bucket"
+                              " WHERE tenant_id = %s", (tenant.id,))
+    bucket = (await cur.fetchone() or (None,))[0]
+    assert failed.value.diag.message_detail == str(bucket)  # which bucket to wait for
+    await second.execute("SET LOCAL pgreserve.wait_for_units = 'on'")
+    retry = asyncio.create_task(
+        service.reserve(tenant.id, "second", [Line("s", "w", 6)], conn=second))
+    for _ in range(500):
+        cur = await admin.execute(
+            "SELECT count(*) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND wait_event_type = 'Lock'")
+        if (await cur.fetchone() or (0,))[0]:
+            break
+        await asyncio.sleep(0.01)
+    else:
+        raise AssertionError("the retry never waited for the first caller's units")
+    assert not retry.done()
+    await first.execute("ROLLBACK")
+    assert (await retry).held
+    await second.execute("COMMIT")
     view = await service.get_stock(tenant.id, "s", "w")
     assert (view.reserved, view.available) == (6, 4)
     assert await service.invariant_violations() == []
 
 
 async def test_a_take_told_to_wait_for_units_does_not_wait_when_the_pool_can_serve(
-        service: ReservationService, tenant: Tenant, plain_dsn: str) -> None:
+        service: ReservationService, tenant: Tenant, pool_of_ten: Conns) -> None:
     """With `pgreserve.wait_for_units` on, a take first tries the units nobody holds:
     a paused caller holding the lowest unit of a pool of 10 is not waited for when
     nine others are there (a wait would end in lock_timeout, not in a hold)."""
-    await service.set_stock(tenant.id, "s", "w", 10, strategy="pool", pool_cap=10)
-    connect = psycopg.AsyncConnection.connect
-    async with await connect(plain_dsn, autocommit=True) as admin, \
-            await connect(plain_dsn, autocommit=True) as first, \
-            await connect(plain_dsn, autocommit=True) as second:
-        await admin.execute("UPDATE pgreserve.stock_bucket SET pool_hi = pool_lo"
-                            " WHERE tenant_id = %s", (tenant.id,))
-        await first.execute("BEGIN")
-        assert (await service.reserve(tenant.id, "first", [Line("s", "w", 1)],
-                                      conn=first)).held
-        await second.execute("BEGIN")
-        await second.execute("SET LOCAL pgreserve.wait_for_units = 'on'")
-        await second.execute("SET LOCAL lock_timeout = '2s'")
-        assert (await service.reserve(tenant.id, "second", [Line("s", "w", 2)],
-                                      conn=second)).held
-        await second.execute("COMMIT")
-        await first.execute("COMMIT")
+    _, first, second = pool_of_ten
+    assert (await service.reserve(tenant.id, "first", [Line("s", "w", 1)], conn=first)).held
+    await second.execute("SET LOCAL pgreserve.wait_for_units = 'on'")
+    await second.execute("SET LOCAL lock_timeout = '2s'")
+    assert (await service.reserve(tenant.id, "second", [Line("s", "w", 2)],
+                                  conn=second)).held
+    await second.execute("COMMIT")
+    await first.execute("COMMIT")
     view = await service.get_stock(tenant.id, "s", "w")
     assert (view.reserved, view.available) == (3, 7)
     assert await service.invariant_violations() == []
