@@ -317,3 +317,24 @@ async def test_a_take_told_to_wait_for_units_does_not_wait_when_the_pool_can_ser
     view = await service.get_stock(tenant.id, "s", "w")
     assert (view.reserved, view.available) == (3, 7)
     assert await service.invariant_violations() == []
+
+
+async def test_a_take_told_to_wait_for_units_refills_from_free_stock_instead(
+        service: ReservationService, tenant: Tenant, pool_of_ten: Conns) -> None:
+    """With `pgreserve.wait_for_units` on and the pool's units held by a paused caller,
+    a take that free stock can serve refills from it, as without the setting, instead
+    of waiting for that caller (a wait would end in lock_timeout, not in a hold)."""
+    admin, first, second = pool_of_ten
+    await service.set_stock(tenant.id, "s", "w", 100, strategy="pool", pool_cap=10)
+    await admin.execute("UPDATE pgreserve.stock_bucket SET pool_hi = pool_lo"
+                        " WHERE tenant_id = %s", (tenant.id,))
+    assert (await service.reserve(tenant.id, "first", [Line("s", "w", 9)], conn=first)).held
+    await second.execute("SET LOCAL pgreserve.wait_for_units = 'on'")
+    await second.execute("SET LOCAL lock_timeout = '2s'")
+    assert (await service.reserve(tenant.id, "second", [Line("s", "w", 3)],
+                                  conn=second)).held
+    await second.execute("COMMIT")
+    await first.execute("COMMIT")
+    view = await service.get_stock(tenant.id, "s", "w")
+    assert (view.reserved, view.available) == (12, 88)
+    assert await service.invariant_violations() == []
