@@ -217,39 +217,20 @@ BEGIN
             -- A retry of a take that held some units and needed lower ones other
             -- buyers held (below, the hint): it takes without waiting if the
             -- units are there; a short take gives back what it locked (the
-            -- block is a subtransaction, entered only on such a retry) and,
-            -- when only units others hold can serve it, waits for the lowest
-            -- units in unit order, holding none of those it just locked, then
-            -- takes from the lowest. (Units of the bucket this transaction
-            -- locked or deleted before, in an allocation's earlier try or an
-            -- earlier operation of a caller's transaction, are not given back:
-            -- there deadlock detection stays the backstop.)
+            -- block is a subtransaction, entered only on such a retry) and goes
+            -- on holding none of them, so the look below waits for the lowest
+            -- units in unit order when only units others hold can serve it.
+            -- (Units of the bucket this transaction locked or deleted before,
+            -- in an allocation's earlier try or an earlier operation of a
+            -- caller's transaction, are not given back: there deadlock
+            -- detection stays the backstop.)
             BEGIN
                 v_take := pool_take_units_v1(p_tenant, p_bucket, p_qty, v_start, p_keep);
                 IF v_take.locked < p_qty THEN
                     RAISE EXCEPTION 'short' USING ERRCODE = 'PRW01';
                 END IF;
             EXCEPTION WHEN SQLSTATE 'PRW01' THEN
-                -- only units others hold can serve it (free units or expired
-                -- holds a refill brings in: the usual path below, no wait)
-                v_cut := coalesce(p_now, clock_timestamp());
-                IF (SELECT b.free - b.safety_stock
-                           + greatest(0, (SELECT coalesce(sum(l.quantity), 0)
-                                          FROM reservation_line l
-                                          WHERE l.tenant_id = p_tenant
-                                            AND l.bucket_id = p_bucket
-                                            AND l.held AND l.expires_at <= v_cut)
-                                         - b.shortfall) <= 0
-                    FROM stock_bucket b
-                    WHERE b.tenant_id = p_tenant AND b.bucket_id = p_bucket) THEN
-                    PERFORM count(*) FROM (
-                        SELECT 1 FROM stock_unit
-                        WHERE tenant_id = p_tenant AND bucket_id = p_bucket
-                        ORDER BY unit_id LIMIT p_qty
-                        FOR UPDATE) s;
-                    v_start := 0;
-                END IF;
-                v_take := pool_take_units_v1(p_tenant, p_bucket, p_qty, v_start, p_keep);
+                SELECT 0 AS locked, NULL::bigint[] AS units INTO v_take;
             END;
         ELSE
             v_take := pool_take_units_v1(p_tenant, p_bucket, p_qty, v_start, p_keep);
