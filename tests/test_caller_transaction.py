@@ -301,34 +301,22 @@ async def test_a_pool_take_hinted_to_wait_then_waits_for_a_slow_callers_units(
     assert await service.invariant_violations() == []
 
 
-async def test_a_take_told_to_wait_for_units_does_not_wait_when_the_pool_can_serve(
-        service: ReservationService, tenant: Tenant, pool_of_ten: Conns) -> None:
-    """With `pgreserve.wait_for_units` on, a take first tries the units nobody holds:
-    a paused caller holding the lowest unit of a pool of 10 is not waited for when
-    nine others are there (a wait would end in lock_timeout, not in a hold)."""
-    _, first, second = pool_of_ten
-    assert (await service.reserve(tenant.id, "first", [Line("s", "w", 1)], conn=first)).held
-    await second.execute("SET LOCAL pgreserve.wait_for_units = 'on'")
-    await second.execute("SET LOCAL lock_timeout = '2s'")
-    assert (await service.reserve(tenant.id, "second", [Line("s", "w", 2)],
-                                  conn=second)).held
-    await second.execute("COMMIT")
-    await first.execute("COMMIT")
-    view = await service.get_stock(tenant.id, "s", "w")
-    assert (view.reserved, view.available) == (3, 7)
-    assert await service.invariant_violations() == []
-
-
-async def test_a_take_told_to_wait_for_units_refills_from_free_stock_instead(
-        service: ReservationService, tenant: Tenant, pool_of_ten: Conns) -> None:
-    """With `pgreserve.wait_for_units` on and the pool's units held by a paused caller,
-    a take that free stock can serve refills from it, as without the setting, instead
-    of waiting for that caller (a wait would end in lock_timeout, not in a hold)."""
+@pytest.mark.parametrize(("on_hand", "first_qty"), [(10, 1), (100, 9)])
+async def test_a_take_told_to_wait_for_units_does_not_wait_when_it_can_be_served(
+        service: ReservationService, tenant: Tenant, pool_of_ten: Conns,
+        on_hand: int, first_qty: int) -> None:
+    """With `pgreserve.wait_for_units` on, a take first tries what nobody holds: a
+    paused caller is not waited for when the pool's other units serve the take (10
+    on hand, the caller holding the lowest unit) or when free stock does through a
+    refill (100 on hand, the caller holding 9 of the pool's 10). A wait would end in
+    lock_timeout, not in a hold."""
     admin, first, second = pool_of_ten
-    await service.set_stock(tenant.id, "s", "w", 100, strategy="pool", pool_cap=10)
-    await admin.execute("UPDATE pgreserve.stock_bucket SET pool_hi = pool_lo"
-                        " WHERE tenant_id = %s", (tenant.id,))
-    assert (await service.reserve(tenant.id, "first", [Line("s", "w", 9)], conn=first)).held
+    if on_hand != 10:
+        await service.set_stock(tenant.id, "s", "w", on_hand, strategy="pool", pool_cap=10)
+        await admin.execute("UPDATE pgreserve.stock_bucket SET pool_hi = pool_lo"
+                            " WHERE tenant_id = %s", (tenant.id,))
+    assert (await service.reserve(tenant.id, "first", [Line("s", "w", first_qty)],
+                                  conn=first)).held
     await second.execute("SET LOCAL pgreserve.wait_for_units = 'on'")
     await second.execute("SET LOCAL lock_timeout = '2s'")
     assert (await service.reserve(tenant.id, "second", [Line("s", "w", 3)],
@@ -336,5 +324,5 @@ async def test_a_take_told_to_wait_for_units_refills_from_free_stock_instead(
     await second.execute("COMMIT")
     await first.execute("COMMIT")
     view = await service.get_stock(tenant.id, "s", "w")
-    assert (view.reserved, view.available) == (12, 88)
+    assert (view.reserved, view.available) == (first_qty + 3, on_hand - first_qty - 3)
     assert await service.invariant_violations() == []
