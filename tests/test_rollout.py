@@ -835,9 +835,13 @@ async def test_primary_replay_keeps_the_hold_the_caller_was_told_when_redis_was_
         first = await rollout.reserve(tenant.id, "k", [("a", "x", 1)], ttl=60)
     assert first.held and first.reservation is not None
     await store.adjust_stock(tenant.id, "a", "x", -1)  # Redis now has no unit for it
-    again = await rollout.reserve(tenant.id, "k", [("a", "x", 1)], ttl=60)
-    assert again.replayed and again.held and again.reservation is not None
-    assert again.reservation.id == first.reservation.id
+    # every retry, not only the first one Redis sees (which Redis stores as refused)
+    for _ in range(3):
+        again = await rollout.reserve(tenant.id, "k", [("a", "x", 1)], ttl=60)
+        assert again.replayed and again.held and again.reservation is not None
+        assert again.reservation.id == first.reservation.id
+    assert (await service.get_reservation(tenant.id, first.reservation.id)).status is \
+        Status.ACTIVE
     done = await rollout.claim(tenant.id, first.reservation.id)
     assert done.status is Status.CLAIMED
     assert await pg_sold(db, tenant.id, "a") == 1
@@ -1727,3 +1731,34 @@ async def test_a_primary_hold_redis_lost_is_a_write_redis_missed(
     _, latest = await reports.report(db, tenant.id)
     assert [(d.operation, d.legacy["error"]) for d in latest] == [
         ("claim", "missing_in_redis")]
+
+
+async def test_a_primary_refusal_over_a_pgreserve_hold_replays_refused_in_every_later_mode(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """In primary mode a cart Redis refuses is refused even where pgreserve held it. That
+    refusal is the key's answer from then on: after the move to pgreserve, and after the
+    24 hours Redis is still asked, a replay gives the same refusal, never the hold the
+    caller was not told about; the lookup by key shows it, and the unit is free."""
+    await service.set_stock(tenant.id, "a", "x", 1)
+    await store.set_stock(tenant.id, "a", "x", 0)  # Redis's unit is held elsewhere
+    await set_mode(db, tenant.id, Mode.PRIMARY, "test")
+    first = await rollout.reserve(tenant.id, "k", [("a", "x", 1)], ttl=60)
+    assert not first.held and first.short_lines[0].available == 0
+    again = await rollout.reserve(tenant.id, "k", [("a", "x", 1)], ttl=60)
+    assert again.replayed and not again.held
+    assert again.short_lines == first.short_lines
+
+    await set_mode(db, tenant.id, Mode.PGRESERVE, "test")
+    moved = await rollout.reserve(tenant.id, "k", [("a", "x", 1)], ttl=60)
+    assert moved.replayed and not moved.held and moved.short_lines == first.short_lines
+    await db.fetch("UPDATE rollout_mode SET redis_until = now() - interval '1 second' "
+                   "WHERE tenant_id = %s RETURNING 1", (tenant.id,))
+    later = await rollout.reserve(tenant.id, "k", [("a", "x", 1)], ttl=60)
+    assert later.replayed and not later.held and later.short_lines == first.short_lines
+    record = await service.lookup_request(tenant.id, "k")
+    assert record.status == "rejected" and record.reservation is None
+    assert record.outcome["status"] == "rejected"
+    view = await service.get_stock(tenant.id, "a", "x")
+    assert view.available == 1
+    assert await service.invariant_violations() == []

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -90,6 +91,7 @@ CLOCK_MARGIN = timedelta(seconds=5)
 FROZEN_LINK = "frozen"
 
 OP_SALE = Op("rollout", "rollout_legacy_sale_record", "rollout/legacy-sale")
+OP_REFUSAL = Op("rollout", "rollout_refusal_record", "rollout/primary-refusal")
 OP_TENANTS = Op("sweeper", "rollout_redis_tenant_list", "worker/rollout-expiry")
 
 
@@ -406,16 +408,37 @@ class Rollout:
                 await self._secondary(self.store.release(tenant, _rid(legacy)), "legacy",
                                       "release")
             return pg
+        if pg.replayed and pg.held:
+            # A hold pgreserve still keeps under the key was the caller's answer (a
+            # refusal below replaces it in pgreserve's ledger): Redis missed the first
+            # reserve and refused a retry since (the branch above), which stays a
+            # disagreement, never a hold taken back from the caller. Asked once more,
+            # under the key's lock: a request of this key in another process may be
+            # recording Redis's refusal now, and its caller's answer is then this one's.
+            return await self.service.reserve(tenant, key, cart, ttl=life, reference=reference,
+                                              metadata=metadata)
         if legacy.held and not pg.held and not legacy.replayed:
             await self._secondary(self.store.release(tenant, _rid(legacy)), "legacy", "release")
         if pg.held and not legacy.held:
             # Redis has every hold of every mode: a refusal means its units are held
             # elsewhere (a process still in legacy during a switch). Selling anyway
-            # would sell them twice; the caller gets the refusal.
-            await self._secondary(self.service.release(tenant, _rid(pg)), "pgreserve",
-                                  "release")
+            # would sell them twice; the caller gets the refusal, which becomes the
+            # key's answer in pgreserve too (its hold goes back in the same
+            # transaction), so no later mode replays the hold nobody was told about.
+            await self._secondary(self._record_refusal(tenant, key, _rid(pg), legacy),
+                                  "pgreserve", "release")
             return legacy
         return pg
+
+    async def _record_refusal(self, tenant: int, key: str, hold_id: str,
+                              refusal: ReserveOutcome) -> None:
+        doc = {"status": "rejected", "reason": refusal.reason or "insufficient_stock",
+               "short_lines": [{"sku": s.sku, "location": s.location,
+                                "requested": s.requested, "available": s.available}
+                               for s in refusal.short_lines]}
+        await self.service.db.fetch(queries["rollout_refusal_record"],
+                                    (tenant, key, uuid.UUID(hold_id), json.dumps(doc)),
+                                    op=OP_REFUSAL)
 
     # -- change ------------------------------------------------------------------
 

@@ -64,3 +64,29 @@ BEGIN
     PERFORM pg_advisory_xact_lock_shared(1885827686, freeze_lock_key_v1(p_tenant));
     RETURN ledger_check_v1(p_tenant, p_key, p_operation, p_digest);
 END $$;
+
+-- Rollout, primary mode (rollout/router.py): the legacy store refused a cart that
+-- pgreserve held, and the caller was told that refusal (the legacy store has every
+-- hold of every mode, so its refusal means the units are held elsewhere). In one
+-- transaction the hold goes back and the refusal becomes the key's stored answer,
+-- so that a replay under any later mode gives the answer the caller got, not the
+-- hold nobody was told about. Lock order as everywhere: the request key, then the
+-- reservation. Only the ledger entry of the reserve that created this hold is
+-- changed; a claimed hold raises PR424 (release_v1) and changes nothing. Returns
+-- whether that entry now holds the refusal.
+CREATE OR REPLACE FUNCTION ledger_refusal_record_v1(p_tenant bigint, p_key text, p_id uuid,
+                                                    p_outcome jsonb)
+RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN
+    IF p_outcome ->> 'status' IS DISTINCT FROM 'rejected' THEN
+        RAISE EXCEPTION 'a refusal is recorded, not %', p_outcome ->> 'status'
+            USING ERRCODE = 'PR400';
+    END IF;
+    PERFORM pg_advisory_xact_lock(hashtextextended(p_key, p_tenant));
+    PERFORM release_v1(p_tenant, p_id);
+    UPDATE request_ledger
+    SET status = 'rejected', outcome = p_outcome
+    WHERE tenant_id = p_tenant AND request_key = p_key AND operation = 'reserve'
+      AND outcome -> 'reservation' ->> 'id' = p_id::text;
+    RETURN FOUND;
+END $$;

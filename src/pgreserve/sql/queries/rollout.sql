@@ -172,3 +172,8 @@ WITH lines AS (
     ORDER BY s.sku COLLATE "C", s.location COLLATE "C"
 )
 SELECT (SELECT count(*) FROM saved), (SELECT count(*) FROM counted);
+
+-- name: rollout_refusal_record
+-- Primary mode: the legacy store's refusal of a cart pgreserve held is the key's
+-- answer (ledger.sql: the hold goes back, the refusal is stored under the key).
+SELECT ledger_refusal_record_v1(%s, %s, %s, %s::jsonb);
