@@ -64,14 +64,25 @@ async def patient_store(redis_server: RedisServer) -> AsyncIterator[RedisHoldSto
     await s.aclose()
 
 
+@contextlib.asynccontextmanager
+async def rollout_layer(service: ReservationService,
+                        store: RedisHoldStore) -> AsyncIterator[Rollout]:
+    """A rollout layer over the store's Redis namespace, reading modes on every request
+    (no cache delay in tests)."""
+    r = Rollout(service, RedisHoldStore(store.url, namespace=store.namespace), mode_ttl_s=0,
+                flush_every_s=0.05)
+    try:
+        yield r
+    finally:
+        await r.aclose()
+
+
 @pytest_asyncio.fixture
 async def rollout(service: ReservationService,
                   store: RedisHoldStore) -> AsyncIterator[Rollout]:
-    """The rollout layer, reading modes on every request (no cache delay in tests)."""
-    r = Rollout(service, RedisHoldStore(store.url, namespace=store.namespace), mode_ttl_s=0,
-                flush_every_s=0.05)
-    yield r
-    await r.aclose()
+    """The rollout layer of one process."""
+    async with rollout_layer(service, store) as r:
+        yield r
 
 
 async def seed(service: ReservationService, store: RedisHoldStore, tenant: int, sku: str,
@@ -1762,3 +1773,255 @@ async def test_a_primary_refusal_over_a_pgreserve_hold_replays_refused_in_every_
     view = await service.get_stock(tenant.id, "a", "x")
     assert view.available == 1
     assert await service.invariant_violations() == []
+
+
+# -- primary: a refusal over a pgreserve hold, across retries and processes ----------
+
+CART = [("a", "x", 1)]
+
+
+@pytest_asyncio.fixture
+async def rollout_b(service: ReservationService,
+                    store: RedisHoldStore) -> AsyncIterator[Rollout]:
+    """A second process: same database and Redis namespace, its own bucket locks."""
+    async with rollout_layer(service, store) as r:
+        yield r
+
+
+async def redis_refuses(service: ReservationService, store: RedisHoldStore,
+                        tenant: int, db: Database) -> None:
+    """pgreserve has the unit; Redis's unit is held elsewhere (a legacy process)."""
+    await service.set_stock(tenant, "a", "x", 1)
+    await store.set_stock(tenant, "a", "x", 0)
+    await set_mode(db, tenant, Mode.PRIMARY, "test")
+
+
+def gate_record(r: Rollout) -> tuple[asyncio.Event, asyncio.Event]:
+    """r's pgreserve-side step after Redis refused (recording the refusal) waits until
+    `go` is set; `reached` is set when it gets there."""
+    reached, go = asyncio.Event(), asyncio.Event()
+    real = r._secondary
+
+    async def gated(step: Any, side: str, operation: str) -> None:
+        if side == "pgreserve":
+            reached.set()
+            await go.wait()
+        await real(step, side, operation)
+
+    r._secondary = gated  # type: ignore[method-assign]
+    return reached, go
+
+
+@contextlib.asynccontextmanager
+async def primary_shop(service: ReservationService, rollout: Rollout, db: Database,
+                       **app_options: Any) -> AsyncIterator[tuple[int, httpx.AsyncClient]]:
+    """A tenant in primary mode with 1 unit of a at x in pgreserve (none in Redis yet),
+    and an HTTP client of the app over `rollout` with the tenant's API key."""
+    created, key = await service.create_tenant_with_key("shop")
+    await set_mode(db, created.id, Mode.PRIMARY, "test")
+    app = create_app(database=db, rollout=rollout, **app_options)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                 headers={"Authorization": f"Bearer {key}"}) as client:
+        assert (await client.put("/v1/stock/x/a", json={"on_hand": 1})).status_code == 201
+        yield created.id, client
+
+
+BODY = {"lines": [{"sku": "a", "location": "x", "quantity": 1}], "ttl_seconds": 60,
+        "reference": "order-1", "metadata": {"m": "1"}}
+KEYED = {"Idempotency-Key": "c-1"}
+
+
+async def test_a_primary_refusal_whose_record_failed_is_still_replayed_as_the_refusal(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """Primary: pgreserve held, Redis refused, the caller was told the refusal, and
+    recording it in pgreserve failed (the database did not answer). The retry replays
+    the refusal, not the hold, and records it then."""
+    await redis_refuses(service, store, tenant.id, db)
+    real_fetch = service.db.fetch
+
+    async def failing_fetch(sql: Any, params: Any = (), *, op: Any = None) -> Any:
+        if op is not None and op.action == "rollout_refusal_record":
+            raise errors.DatabaseUnavailable("no connection free")
+        return await real_fetch(sql, params, op=op)
+
+    service.db.fetch = failing_fetch  # type: ignore[method-assign]
+    first = await rollout.reserve(tenant.id, "k", CART, ttl=60)
+    service.db.fetch = real_fetch  # type: ignore[method-assign]
+    assert not first.held
+    again = await rollout.reserve(tenant.id, "k", CART, ttl=60)
+    assert not again.held, f"told refused, replayed {again.held=}"
+
+
+async def test_http_a_primary_refusal_told_after_the_deadline_replays_409(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        db: Database) -> None:
+    """Through HTTP: Redis's refusal comes after the request's deadline (0.5 s), so
+    the refusal cannot be recorded in pgreserve in that request. The caller got 409; the
+    retry and the lookup by key say 409 too."""
+    slow = {"on": False}
+    real_reserve = rollout.store.reserve
+
+    async def slow_reserve(*args: Any, **kwargs: Any) -> Any:
+        out = await real_reserve(*args, **kwargs)
+        if slow["on"]:
+            await asyncio.sleep(0.6)
+        return out
+
+    rollout.store.reserve = slow_reserve  # type: ignore[method-assign]
+    async with primary_shop(service, rollout, db, request_deadline_s=0.5) as (tenant, client):
+        await store.set_stock(tenant, "a", "x", 0)  # Redis's unit is held elsewhere
+        slow["on"] = True
+        first = await client.post("/v1/reservations", headers=KEYED, json=BODY)
+        slow["on"] = False
+        assert first.status_code == 409, first.text
+        again = await client.post("/v1/reservations", headers=KEYED, json=BODY)
+        looked = await client.get("/v1/requests/c-1")
+        assert (again.status_code, looked.json()["status"]) == (409, 409), \
+            f"first 409, retry {again.status_code} {again.text}; lookup {looked.text}"
+        assert again.json() == first.json()
+
+
+async def test_two_processes_with_one_key_tell_the_same_refusal_in_primary(
+        rollout: Rollout, rollout_b: Rollout, service: ReservationService,
+        store: RedisHoldStore, tenant: Tenant, db: Database) -> None:
+    """Two processes (two Rollout objects, each its own bucket locks), one key: A's
+    pgreserve holds H and Redis refuses; B's request of the key comes before A records
+    the refusal in pgreserve. Both callers, and a later replay, get the refusal."""
+    await redis_refuses(service, store, tenant.id, db)
+    reached, go = gate_record(rollout)
+    a = asyncio.create_task(rollout.reserve(tenant.id, "k", CART, ttl=60))
+    await asyncio.wait_for(reached.wait(), 5)
+    b = await rollout_b.reserve(tenant.id, "k", CART, ttl=60)
+    go.set()
+    first = await a
+    later = await rollout_b.reserve(tenant.id, "k", CART, ttl=60)
+    told_b = ("held", b.reservation.id) if b.held and b.reservation else ("refused", None)
+    assert first.held == b.held == later.held, (
+        f"A's caller: held={first.held}; B's caller: {told_b}; replay now: held={later.held}")
+
+
+async def test_a_refusal_being_recorded_is_never_a_hold_another_process_can_claim(
+        rollout: Rollout, rollout_b: Rollout, service: ReservationService,
+        store: RedisHoldStore, tenant: Tenant, db: Database) -> None:
+    """As above: B's caller is refused too, so no caller holds H; once A has recorded
+    the refusal, H is released (a claim of it by id is refused), nothing is sold in
+    pgreserve that Redis refused, and the key keeps replaying the refusal."""
+    await redis_refuses(service, store, tenant.id, db)
+    reached, go = gate_record(rollout)
+    a = asyncio.create_task(rollout.reserve(tenant.id, "k", CART, ttl=60))
+    await asyncio.wait_for(reached.wait(), 5)
+    b = await rollout_b.reserve(tenant.id, "k", CART, ttl=60)
+    assert not b.held and b.reservation is None
+    go.set()
+    first = await a
+    assert not first.held
+    rows = await db.fetch("SELECT reservation_id::text FROM reservation WHERE tenant_id = %s",
+                          (tenant.id,))
+    assert len(rows) == 1
+    with pytest.raises(errors.ReservationReleased):
+        await rollout_b.claim(tenant.id, rows[0][0])
+    replay = await rollout.reserve(tenant.id, "k", CART, ttl=60)
+    assert not replay.held and replay.short_lines == first.short_lines
+    assert await pg_sold(db, tenant.id, "a") == 0
+    assert (await service.get_stock(tenant.id, "a", "x")).available == 1
+    assert await service.invariant_violations() == []
+
+
+async def test_two_processes_with_one_key_tell_the_same_hold_when_a_retry_reaches_redis_first(
+        rollout: Rollout, rollout_b: Rollout, service: ReservationService,
+        store: RedisHoldStore, tenant: Tenant, db: Database) -> None:
+    """The other order: B's request of the key (a replay in pgreserve) reaches Redis
+    before A's, and Redis refuses it; B's caller keeps pgreserve's hold (Redis first saw
+    the key on a retry). A's Redis call then replays that refusal: A's caller gets the
+    same hold, which stays active."""
+    await redis_refuses(service, store, tenant.id, db)
+    reached, go = asyncio.Event(), asyncio.Event()
+    real = rollout.store.reserve
+
+    async def gated(*args: Any, **kwargs: Any) -> Any:
+        reached.set()
+        await go.wait()
+        return await real(*args, **kwargs)
+
+    rollout.store.reserve = gated  # type: ignore[method-assign]
+    a = asyncio.create_task(rollout.reserve(tenant.id, "k", CART, ttl=60))
+    await asyncio.wait_for(reached.wait(), 5)
+    b = await rollout_b.reserve(tenant.id, "k", CART, ttl=60)
+    go.set()
+    first = await a
+    assert b.held and first.held, f"A told held={first.held}, B told held={b.held}"
+    assert b.reservation is not None and first.reservation is not None
+    assert first.reservation.id == b.reservation.id
+    assert (await service.get_reservation(tenant.id, b.reservation.id)).status is \
+        Status.ACTIVE
+
+
+async def test_http_a_primary_refusal_replays_the_same_409_in_primary_and_pgreserve(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        db: Database) -> None:
+    """Through HTTP, with a reference and metadata: the refusal Redis gave over
+    pgreserve's hold replays as the same 409 (marked replayed) in primary and after the
+    move to pgreserve; the lookup by key shows it with no reservation; the unit is free."""
+    async with primary_shop(service, rollout, db) as (tenant, client):
+        await store.set_stock(tenant, "a", "x", 0)
+        first = await client.post("/v1/reservations", headers=KEYED, json=BODY)
+        assert first.status_code == 409
+        again = await client.post("/v1/reservations", headers=KEYED, json=BODY)
+        await set_mode(db, tenant, Mode.PGRESERVE, "test")
+        moved = await client.post("/v1/reservations", headers=KEYED, json=BODY)
+        looked = (await client.get("/v1/requests/c-1")).json()
+    for r in (again, moved):
+        assert r.status_code == 409 and r.json() == first.json()
+        assert r.headers.get("idempotent-replayed") == "true"
+    assert looked["status"] == 409 and looked["answer"] == first.json()
+    assert looked["reservation"] is None
+    assert (await service.get_stock(tenant, "a", "x")).available == 1
+    assert await service.invariant_violations() == []
+
+
+async def test_http_a_hold_answered_while_redis_was_down_replays_the_same_201(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        db: Database) -> None:
+    """Through HTTP: a hold pgreserve answered while Redis was down replays as the same
+    201 (body and Location) on three retries Redis refuses, and after the move to
+    pgreserve; the lookup by key shows it."""
+    async with primary_shop(service, rollout, db) as (tenant, client):
+        async with redis_down(rollout):
+            first = await client.post("/v1/reservations", headers=KEYED, json=BODY)
+        assert first.status_code == 201
+        await store.set_stock(tenant, "a", "x", 0)
+        replies = [await client.post("/v1/reservations", headers=KEYED, json=BODY)
+                   for _ in range(3)]
+        await set_mode(db, tenant, Mode.PGRESERVE, "test")
+        replies.append(await client.post("/v1/reservations", headers=KEYED, json=BODY))
+        looked = (await client.get("/v1/requests/c-1")).json()
+    for r in replies:
+        assert r.status_code == 201 and r.json() == first.json()
+        assert r.headers["location"] == first.headers["location"]
+    assert looked["status"] == 201 and looked["answer"] == first.json()
+
+
+async def test_redis_keeps_with_a_refusal_the_hold_it_was_given_over(
+        store: RedisHoldStore, tenant: Tenant) -> None:
+    """`refused_over` reads what a refusal was given over: the hold's id, '' for none,
+    None for a hold, no answer, or a refusal stored before the field existed (the router
+    then keeps the refusal as the key's answer, as it did before)."""
+    from datetime import timedelta
+
+    from pgreserve.domain import Line
+
+    await store.set_stock(tenant.id, "a", "x", 1)
+    cart, life = [Line("a", "x", 2)], timedelta(seconds=60)
+    out = await store.reserve(tenant.id, "over", "fp", cart, life, mode="primary",
+                              over="11111111-1111-1111-1111-111111111111")
+    assert not out.held
+    assert await store.refused_over(tenant.id, "over") == "11111111-1111-1111-1111-111111111111"
+    await store.reserve(tenant.id, "none", "fp", cart, life, mode="primary")
+    assert await store.refused_over(tenant.id, "none") == ""
+    held = await store.reserve(tenant.id, "held", "fp", [Line("a", "x", 1)], life)
+    assert held.held and await store.refused_over(tenant.id, "held") is None
+    assert await store.refused_over(tenant.id, "never") is None
+    await store.redis.set(store.key(tenant.id, "req", "old"), json.dumps(
+        {"held": False, "short": [[1, 2, 0]], "fp": "fp", "mode": "primary"}))
+    assert await store.refused_over(tenant.id, "old") is None

@@ -78,7 +78,8 @@ def _answered(f: Callable[Concatenate[RedisHoldStore, P], Coroutine[Any, Any, T]
     return call
 
 # KEYS: req, hold, rec, deadlines, counters[n], helds[n]
-# ARGV: n, id, ttl_ms, lines_json, mode, retention_ms, fingerprint, pg_id, quantities[n]
+# ARGV: n, id, ttl_ms, lines_json, mode, retention_ms, fingerprint, pg_id, quantities[n],
+#       over (a refusal's: the pgreserve hold it was given over, '' for none)
 _RESERVE = """
 local n = tonumber(ARGV[1])
 local prior = redis.call('GET', KEYS[1])
@@ -95,7 +96,8 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local doc
 if #short > 0 then
-  doc = cjson.encode({held = false, short = short, fp = ARGV[7], mode = ARGV[5]})
+  doc = cjson.encode({held = false, short = short, fp = ARGV[7], mode = ARGV[5],
+                      over = ARGV[9 + n]})
   redis.call('SET', KEYS[1], doc, 'PX', ARGV[6])
   return {'short', doc}
 end
@@ -303,10 +305,12 @@ class RedisHoldStore:
     @_answered
     async def reserve(self, tenant: int, request_key: str, fingerprint: str,
                       cart: Sequence[Line], ttl: timedelta, *, mode: str = "legacy",
-                      hold_id: str | None = None, pg_id: str | None = None) -> ReserveOutcome:
+                      hold_id: str | None = None, pg_id: str | None = None,
+                      over: str | None = None) -> ReserveOutcome:
         """Hold every line of a (validated, sorted) cart or none; the answer is kept
         under the request key, and the same key with another cart raises
-        IdempotencyKeyReused."""
+        IdempotencyKeyReused. `over`: the pgreserve hold a refusal is given over
+        (primary mode), kept with the refusal (`refused_over`)."""
         hid = hold_id or str(uuid.uuid4())
         lines = [{"sku": x.sku, "location": x.location, "quantity": x.quantity} for x in cart]
         keys = [self.key(tenant, "req", request_key), self.key(tenant, "hold", hid),
@@ -315,7 +319,7 @@ class RedisHoldStore:
                 *(self.held_key(tenant, x.sku, x.location) for x in cart)]
         args: list[Any] = [len(cart), hid, int(ttl.total_seconds() * 1000), json.dumps(lines),
                            mode, int(RETENTION.total_seconds() * 1000), fingerprint,
-                           pg_id or "", *(x.quantity for x in cart)]
+                           pg_id or "", *(x.quantity for x in cart), over or ""]
         kind, raw = await self._reserve(keys=keys, args=args)
         doc = json.loads(raw)
         replayed = _text(kind) == "replay"
@@ -352,6 +356,18 @@ class RedisHoldStore:
         short = tuple(ShortLine(cart[int(i) - 1].sku, cart[int(i) - 1].location, int(want),
                                 int(have)) for i, want, have in doc["short"])
         return ReserveOutcome(False, None, short, True), str(doc.get("mode", ""))
+
+    @_answered
+    async def refused_over(self, tenant: int, request_key: str) -> str | None:
+        """The pgreserve hold Redis's stored refusal under a request key was given over
+        (`reserve(over=)`); '' for a refusal given over none; None when Redis keeps no
+        refusal under the key, or one stored before refusals kept the field."""
+        raw = await self.redis.get(self.key(tenant, "req", request_key))
+        if raw is None:
+            return None
+        doc = json.loads(raw)
+        over = None if doc["held"] else doc.get("over")
+        return None if over is None else str(over)
 
     @_answered
     async def record(self, tenant: int, hold_id: str) -> HoldRecord | None:

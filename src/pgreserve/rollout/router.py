@@ -384,7 +384,8 @@ class Rollout:
         try:
             legacy = await self.store.reserve(tenant, key, fingerprint, cart, life,
                                               mode=Mode.PRIMARY.value, hold_id=hold_id,
-                                              pg_id=hold_id)
+                                              pg_id=hold_id,
+                                              over=None if pg.replayed else hold_id)
         except Exception as exc:  # noqa: BLE001 - the secondary side never fails the caller
             self.metrics.secondary_failures.labels("legacy", "reserve").inc()
             self._compare(tenant, Mode.PRIMARY, "reserve", key, error_outcome(exc),
@@ -408,15 +409,6 @@ class Rollout:
                 await self._secondary(self.store.release(tenant, _rid(legacy)), "legacy",
                                       "release")
             return pg
-        if pg.replayed and pg.held:
-            # A hold pgreserve still keeps under the key was the caller's answer (a
-            # refusal below replaces it in pgreserve's ledger): Redis missed the first
-            # reserve and refused a retry since (the branch above), which stays a
-            # disagreement, never a hold taken back from the caller. Asked once more,
-            # under the key's lock: a request of this key in another process may be
-            # recording Redis's refusal now, and its caller's answer is then this one's.
-            return await self.service.reserve(tenant, key, cart, ttl=life, reference=reference,
-                                              metadata=metadata)
         if legacy.held and not pg.held and not legacy.replayed:
             await self._secondary(self.store.release(tenant, _rid(legacy)), "legacy", "release")
         if pg.held and not legacy.held:
@@ -425,6 +417,17 @@ class Rollout:
             # would sell them twice; the caller gets the refusal, which becomes the
             # key's answer in pgreserve too (its hold goes back in the same
             # transaction), so no later mode replays the hold nobody was told about.
+            # Redis keeps the refusal marked as given over this hold (`over`), so
+            # a replay of it, in this process or another, before or after that
+            # record (which may fail: the next replay makes it), is the same refusal.
+            # A refusal without the mark was Redis's answer to a retry of a key whose
+            # hold pgreserve answered alone (Redis did not answer the first time, or
+            # another process's retry reached Redis first): that hold stays the
+            # caller's, a disagreement, never taken back. (A refusal stored before
+            # the mark existed, None, is the key's answer as it was then.)
+            if legacy.replayed and (await self.store.refused_over(tenant, key)) not in (
+                    None, _rid(pg)):
+                return pg
             await self._secondary(self._record_refusal(tenant, key, _rid(pg), legacy),
                                   "pgreserve", "release")
             return legacy
