@@ -1800,15 +1800,14 @@ def gate_record(r: Rollout) -> tuple[asyncio.Event, asyncio.Event]:
     """r's pgreserve-side step after Redis refused (recording the refusal) waits until
     `go` is set; `reached` is set when it gets there."""
     reached, go = asyncio.Event(), asyncio.Event()
-    real = r._secondary
+    real = r._record_refusal
 
-    async def gated(step: Any, side: str, operation: str) -> None:
-        if side == "pgreserve":
-            reached.set()
-            await go.wait()
-        await real(step, side, operation)
+    async def gated(*args: Any) -> bool:
+        reached.set()
+        await go.wait()
+        return await real(*args)
 
-    r._secondary = gated  # type: ignore[method-assign]
+    r._record_refusal = gated  # type: ignore[method-assign, assignment]
     return reached, go
 
 
@@ -1834,9 +1833,10 @@ KEYED = {"Idempotency-Key": "c-1"}
 async def test_a_primary_refusal_whose_record_failed_is_still_replayed_as_the_refusal(
         rollout: Rollout, service: ReservationService, store: RedisHoldStore,
         tenant: Tenant, db: Database) -> None:
-    """Primary: pgreserve held, Redis refused, the caller was told the refusal, and
-    recording it in pgreserve failed (the database did not answer). The retry replays
-    the refusal, not the hold, and records it then."""
+    """Primary: pgreserve held, Redis refused, and recording the refusal in pgreserve
+    failed (the database did not answer). The refusal is not told before it is the
+    key's answer: the caller gets OutcomeUnknown, and the retry the refusal, recorded
+    then, in primary and after the move to pgreserve."""
     await redis_refuses(service, store, tenant.id, db)
     real_fetch = service.db.fetch
 
@@ -1846,21 +1846,26 @@ async def test_a_primary_refusal_whose_record_failed_is_still_replayed_as_the_re
         return await real_fetch(sql, params, op=op)
 
     service.db.fetch = failing_fetch  # type: ignore[method-assign]
-    first = await rollout.reserve(tenant.id, "k", CART, ttl=60)
+    with pytest.raises(errors.OutcomeUnknown):
+        await rollout.reserve(tenant.id, "k", CART, ttl=60)
     service.db.fetch = real_fetch  # type: ignore[method-assign]
-    assert not first.held
     again = await rollout.reserve(tenant.id, "k", CART, ttl=60)
-    assert not again.held, f"told refused, replayed {again.held=}"
+    assert not again.held, f"replayed {again.held=}"
+    await set_mode(db, tenant.id, Mode.PGRESERVE, "test")
+    moved = await rollout.reserve(tenant.id, "k", CART, ttl=60)
+    assert not moved.held and moved.short_lines == again.short_lines
+    assert (await service.lookup_request(tenant.id, "k")).status == "rejected"
+    assert (await service.get_stock(tenant.id, "a", "x")).available == 1
 
 
 async def test_http_a_primary_refusal_told_after_the_deadline_replays_409(
         rollout: Rollout, service: ReservationService, store: RedisHoldStore,
         db: Database) -> None:
     """Through HTTP: Redis's refusal comes after the request's deadline (0.5 s), so
-    the refusal cannot be recorded in pgreserve in that request. The caller got 409; the
-    retry and the lookup by key say 409 too."""
+    the refusal cannot be recorded in pgreserve in that request, and it is not told:
+    503 outcome_unknown. The retry, and the lookup by key, say 409."""
     slow = {"on": False}
-    real_reserve = rollout.store.reserve
+    real_reserve = rollout.store.reserve_answer
 
     async def slow_reserve(*args: Any, **kwargs: Any) -> Any:
         out = await real_reserve(*args, **kwargs)
@@ -1868,18 +1873,18 @@ async def test_http_a_primary_refusal_told_after_the_deadline_replays_409(
             await asyncio.sleep(0.6)
         return out
 
-    rollout.store.reserve = slow_reserve  # type: ignore[method-assign]
+    rollout.store.reserve_answer = slow_reserve  # type: ignore[method-assign]
     async with primary_shop(service, rollout, db, request_deadline_s=0.5) as (tenant, client):
         await store.set_stock(tenant, "a", "x", 0)  # Redis's unit is held elsewhere
         slow["on"] = True
         first = await client.post("/v1/reservations", headers=KEYED, json=BODY)
         slow["on"] = False
-        assert first.status_code == 409, first.text
+        assert first.status_code == 503, first.text
+        assert first.json()["code"] == "outcome_unknown"
         again = await client.post("/v1/reservations", headers=KEYED, json=BODY)
         looked = await client.get("/v1/requests/c-1")
         assert (again.status_code, looked.json()["status"]) == (409, 409), \
-            f"first 409, retry {again.status_code} {again.text}; lookup {looked.text}"
-        assert again.json() == first.json()
+            f"retry {again.status_code} {again.text}; lookup {looked.text}"
 
 
 async def test_two_processes_with_one_key_tell_the_same_refusal_in_primary(
@@ -1937,14 +1942,14 @@ async def test_two_processes_with_one_key_tell_the_same_hold_when_a_retry_reache
     same hold, which stays active."""
     await redis_refuses(service, store, tenant.id, db)
     reached, go = asyncio.Event(), asyncio.Event()
-    real = rollout.store.reserve
+    real = rollout.store.reserve_answer
 
     async def gated(*args: Any, **kwargs: Any) -> Any:
         reached.set()
         await go.wait()
         return await real(*args, **kwargs)
 
-    rollout.store.reserve = gated  # type: ignore[method-assign]
+    rollout.store.reserve_answer = gated  # type: ignore[method-assign]
     a = asyncio.create_task(rollout.reserve(tenant.id, "k", CART, ttl=60))
     await asyncio.wait_for(reached.wait(), 5)
     b = await rollout_b.reserve(tenant.id, "k", CART, ttl=60)
@@ -2004,24 +2009,220 @@ async def test_http_a_hold_answered_while_redis_was_down_replays_the_same_201(
 
 async def test_redis_keeps_with_a_refusal_the_hold_it_was_given_over(
         store: RedisHoldStore, tenant: Tenant) -> None:
-    """`refused_over` reads what a refusal was given over: the hold's id, '' for none,
-    None for a hold, no answer, or a refusal stored before the field existed (the router
-    then keeps the refusal as the key's answer, as it did before)."""
+    """A refusal Redis keeps says the mode it was given in and the pgreserve hold it was
+    given over ('' for none), and its replay says the same; a hold has no mark, nor has
+    a refusal stored before refusals kept it."""
     from datetime import timedelta
 
     from pgreserve.domain import Line
+    from pgreserve.rollout.redis_store import RefusalMark
 
     await store.set_stock(tenant.id, "a", "x", 1)
     cart, life = [Line("a", "x", 2)], timedelta(seconds=60)
-    out = await store.reserve(tenant.id, "over", "fp", cart, life, mode="primary",
-                              over="11111111-1111-1111-1111-111111111111")
-    assert not out.held
-    assert await store.refused_over(tenant.id, "over") == "11111111-1111-1111-1111-111111111111"
-    await store.reserve(tenant.id, "none", "fp", cart, life, mode="primary")
-    assert await store.refused_over(tenant.id, "none") == ""
-    held = await store.reserve(tenant.id, "held", "fp", [Line("a", "x", 1)], life)
-    assert held.held and await store.refused_over(tenant.id, "held") is None
-    assert await store.refused_over(tenant.id, "never") is None
+    hold = "11111111-1111-1111-1111-111111111111"
+    for replay in (False, True):
+        out, mark = await store.reserve_answer(tenant.id, "over", "fp", cart, life,
+                                               mode="primary", over=hold)
+        assert not out.held and out.replayed is replay
+        assert mark == RefusalMark("primary", hold)
+    _, mark = await store.reserve_answer(tenant.id, "none", "fp", cart, life, mode="shadow")
+    assert mark == RefusalMark("shadow", "")
+    out, mark = await store.reserve_answer(tenant.id, "held", "fp", [Line("a", "x", 1)], life)
+    assert out.held and mark is None
     await store.redis.set(store.key(tenant.id, "req", "old"), json.dumps(
         {"held": False, "short": [[1, 2, 0]], "fp": "fp", "mode": "primary"}))
-    assert await store.refused_over(tenant.id, "old") is None
+    out, mark = await store.reserve_answer(tenant.id, "old", "fp", cart, life, mode="primary")
+    assert out.replayed and not out.held and mark is None
+
+
+async def busy_redis(store: RedisHoldStore, seconds: float) -> None:
+    """Keep the real redis-server busy for `seconds` (a Lua loop on its own connection):
+    a call from another client waits, its caller gives up after 1 s, and Redis runs the
+    call afterwards (a slow Redis, not a down one)."""
+    import redis.asyncio as aioredis
+
+    c = aioredis.Redis.from_url(store.url, socket_timeout=seconds + 5)
+    try:
+        await c.eval("local t0 = redis.call('TIME'); local s0 = tonumber(t0[1]) * 1000000 + "
+                     "tonumber(t0[2]); while true do local t = redis.call('TIME'); "
+                     "if tonumber(t[1]) * 1000000 + tonumber(t[2]) - s0 > tonumber(ARGV[1]) "
+                     "then break end end return 1", 0, int(seconds * 1_000_000))
+    finally:
+        await c.aclose()
+
+
+def slow_redis_once(rollout: Rollout, store: RedisHoldStore) -> list[asyncio.Task[None]]:
+    """The rollout's next reserve in Redis finds Redis busy for 1.6 s: its caller stops
+    waiting after 1 s, and Redis runs it after that. The returned list gets the task
+    that keeps Redis busy."""
+    from pgreserve.rollout import redis_store
+
+    real = rollout.store.reserve_answer
+    busy: list[asyncio.Task[None]] = []
+
+    async def reserve_answer(*args: Any, **kwargs: Any) -> Any:
+        if not busy:
+            # a running service has the script loaded: Redis runs the call late, as sent
+            await store.redis.script_load(redis_store._RESERVE)
+            busy.append(asyncio.create_task(busy_redis(store, 1.6)))
+            await asyncio.sleep(0.1)
+        return await real(*args, **kwargs)
+
+    rollout.store.reserve_answer = reserve_answer  # type: ignore[method-assign]
+    return busy
+
+
+async def test_a_hold_told_while_redis_was_slow_stays_the_answer_when_redis_refused_late(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """Primary: Redis is busy when the reserve reaches it, so the caller is told
+    pgreserve's hold H; Redis runs the reserve afterwards and keeps a refusal over H.
+    The hold stays the key's answer: retries in primary and after the move to pgreserve
+    replay it, and it stays active."""
+    await redis_refuses(service, store, tenant.id, db)
+    busy = slow_redis_once(rollout, store)
+    first = await rollout.reserve(tenant.id, "k", CART, ttl=60)
+    await busy[0]
+    assert first.held and first.reservation is not None
+    raw = await store.redis.get(store.key(tenant.id, "req", "k"))
+    assert raw is not None and not json.loads(raw)["held"]  # Redis ran it late: refused
+    again = await rollout.reserve(tenant.id, "k", CART, ttl=60)
+    await set_mode(db, tenant.id, Mode.PGRESERVE, "test")
+    moved = await rollout.reserve(tenant.id, "k", CART, ttl=60)
+    for out in (again, moved):
+        assert out.held and out.reservation is not None
+        assert out.reservation.id == first.reservation.id
+    assert (await service.get_reservation(tenant.id, first.reservation.id)).status is \
+        Status.ACTIVE
+
+
+async def test_http_a_201_told_while_redis_was_slow_replays_201(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        db: Database) -> None:
+    """Through HTTP: Redis is busy when the reserve reaches it; the caller gets 201
+    (pgreserve's hold). Redis then runs the reserve and keeps a refusal over that hold.
+    The retry and the lookup by key say 201."""
+    async with primary_shop(service, rollout, db) as (tenant, client):
+        await store.set_stock(tenant, "a", "x", 0)
+        busy = slow_redis_once(rollout, store)
+        first = await client.post("/v1/reservations", headers=KEYED, json=BODY)
+        await busy[0]
+        assert first.status_code == 201, first.text
+        again = await client.post("/v1/reservations", headers=KEYED, json=BODY)
+        looked = (await client.get("/v1/requests/c-1")).json()
+    assert again.status_code == 201 and again.json() == first.json()
+    assert looked["status"] == 201 and looked["answer"] == first.json()
+
+
+async def test_a_refusal_whose_record_failed_is_the_answer_after_a_move_to_pgreserve(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """Primary: Redis refused over pgreserve's hold and the record of the refusal failed
+    (OutcomeUnknown). The tenant moves to pgreserve before any retry: the retry (Redis is
+    still asked) gets the refusal, which pgreserve now keeps, and nothing is sold."""
+    await redis_refuses(service, store, tenant.id, db)
+    real_fetch = service.db.fetch
+
+    async def failing_fetch(sql: Any, params: Any = (), *, op: Any = None) -> Any:
+        if op is not None and op.action == "rollout_refusal_record":
+            raise errors.DatabaseUnavailable("no connection free")
+        return await real_fetch(sql, params, op=op)
+
+    service.db.fetch = failing_fetch  # type: ignore[method-assign]
+    with pytest.raises(errors.OutcomeUnknown):
+        await rollout.reserve(tenant.id, "k", CART, ttl=60)
+    service.db.fetch = real_fetch  # type: ignore[method-assign]
+    await set_mode(db, tenant.id, Mode.PGRESERVE, "test")
+    moved = await rollout.reserve(tenant.id, "k", CART, ttl=60)
+    assert not moved.held and moved.short_lines[0].available == 0
+    assert (await service.lookup_request(tenant.id, "k")).status == "rejected"
+    assert (await service.get_stock(tenant.id, "a", "x")).available == 1
+
+
+async def test_a_refusal_being_recorded_while_the_tenant_moves_to_pgreserve_is_the_answer(
+        rollout: Rollout, rollout_b: Rollout, service: ReservationService,
+        store: RedisHoldStore, tenant: Tenant, db: Database) -> None:
+    """A (primary) has pgreserve's hold H and Redis's refusal over H and is about to
+    record it; the tenant moves to pgreserve and B, another process that sees the new
+    mode, gets a request of the key: B's caller gets the refusal too, not H."""
+    await redis_refuses(service, store, tenant.id, db)
+    reached, go = gate_record(rollout)
+    a = asyncio.create_task(rollout.reserve(tenant.id, "k", CART, ttl=60))
+    await asyncio.wait_for(reached.wait(), 5)
+    await set_mode(db, tenant.id, Mode.PGRESERVE, "test")
+    b = await rollout_b.reserve(tenant.id, "k", CART, ttl=60)
+    go.set()
+    first = await a
+    assert not first.held and not b.held
+    assert b.short_lines == first.short_lines
+    assert (await service.get_stock(tenant.id, "a", "x")).available == 1
+
+
+async def test_a_purged_key_redis_still_refuses_is_refused_not_held_anew(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """Primary: Redis refused over pgreserve's hold, recorded. pgreserve then forgets the
+    key (its retention can be shorter than Redis's 24 h): the retry makes a new hold in
+    pgreserve, Redis replays its refusal over the old one, and the caller is refused
+    again; the new hold goes back and nothing is sold."""
+    await redis_refuses(service, store, tenant.id, db)
+    first = await rollout.reserve(tenant.id, "k", CART, ttl=60)
+    assert not first.held
+    await db.fetch("SELECT request_keys_purge_v1(interval '0 seconds', 1000)")
+    again = await rollout.reserve(tenant.id, "k", CART, ttl=60)
+    assert not again.held and again.short_lines == first.short_lines
+    assert (await service.get_stock(tenant.id, "a", "x")).available == 1
+    assert await pg_sold(db, tenant.id, "a") == 0
+
+
+@pytest.mark.parametrize("first_mode", [Mode.LEGACY, Mode.SHADOW])
+async def test_a_refusal_redis_gave_while_it_answered_stays_the_answer_in_primary(
+        first_mode: Mode, rollout: Rollout, service: ReservationService,
+        store: RedisHoldStore, tenant: Tenant, db: Database) -> None:
+    """Redis answered (legacy or shadow) and refused the cart. The tenant moves to
+    primary, and the retry's first read of Redis's answer fails once, so pgreserve is
+    asked; Redis's replayed refusal (given while it answered) is still the answer, and
+    no pgreserve hold of the unit is left."""
+    await service.set_stock(tenant.id, "a", "x", 1)
+    await store.set_stock(tenant.id, "a", "x", 0)
+    await set_mode(db, tenant.id, first_mode, "test")
+    first = await rollout.reserve(tenant.id, "k", CART, ttl=60)
+    assert not first.held
+    await set_mode(db, tenant.id, Mode.PRIMARY, "test")
+    real = rollout.store.answered
+    calls = itertools.count()
+
+    async def answered(*args: Any, **kwargs: Any) -> Any:
+        if next(calls) == 0:
+            raise errors.OutcomeUnknown("the legacy Redis store did not answer (TimeoutError)")
+        return await real(*args, **kwargs)
+
+    rollout.store.answered = answered  # type: ignore[method-assign]
+    again = await rollout.reserve(tenant.id, "k", CART, ttl=60)
+    assert not again.held and again.short_lines == first.short_lines
+    assert (await service.get_stock(tenant.id, "a", "x")).available == 1
+    assert await service.invariant_violations() == []
+
+
+async def test_http_a_refusal_of_several_lines_replays_the_same_409(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        db: Database) -> None:
+    """Three lines, the middle one short in Redis only: the 409 replays the same in
+    primary and after the move to pgreserve, and every line's stock is back."""
+    body = {"lines": [{"sku": s, "location": "x", "quantity": 2} for s in ("c", "a", "b")],
+            "ttl_seconds": 60}
+    async with primary_shop(service, rollout, db) as (tenant, client):
+        for s in ("a", "b", "c"):
+            assert (await client.put(f"/v1/stock/x/{s}", json={"on_hand": 5})).status_code \
+                in (200, 201)
+            await store.set_stock(tenant, s, "x", 5)
+        await store.set_stock(tenant, "b", "x", 1)
+        first = await client.post("/v1/reservations", headers=KEYED, json=body)
+        assert first.status_code == 409, first.text
+        again = await client.post("/v1/reservations", headers=KEYED, json=body)
+        await set_mode(db, tenant, Mode.PGRESERVE, "test")
+        moved = await client.post("/v1/reservations", headers=KEYED, json=body)
+    assert again.json() == first.json() == moved.json()
+    assert (again.status_code, moved.status_code) == (409, 409)
+    for s in ("a", "b", "c"):
+        assert (await service.get_stock(tenant, s, "x")).available == 5

@@ -77,6 +77,21 @@ def _answered(f: Callable[Concatenate[RedisHoldStore, P], Coroutine[Any, Any, T]
 
     return call
 
+@dataclass(frozen=True)
+class RefusalMark:
+    """What a refusal Redis keeps was given in: the mode, and the pgreserve hold it
+    was given over (primary mode; '' for none)."""
+
+    mode: str
+    over: str
+
+
+def _mark(doc: dict[str, Any]) -> RefusalMark | None:
+    """A refusal document's mark; None for one stored before refusals kept it."""
+    return None if "over" not in doc else RefusalMark(str(doc.get("mode", "")),
+                                                        str(doc["over"]))
+
+
 # KEYS: req, hold, rec, deadlines, counters[n], helds[n]
 # ARGV: n, id, ttl_ms, lines_json, mode, retention_ms, fingerprint, pg_id, quantities[n],
 #       over (a refusal's: the pgreserve hold it was given over, '' for none)
@@ -302,15 +317,25 @@ class RedisHoldStore:
 
     # -- holds -----------------------------------------------------------------
 
-    @_answered
     async def reserve(self, tenant: int, request_key: str, fingerprint: str,
                       cart: Sequence[Line], ttl: timedelta, *, mode: str = "legacy",
-                      hold_id: str | None = None, pg_id: str | None = None,
-                      over: str | None = None) -> ReserveOutcome:
+                      hold_id: str | None = None, pg_id: str | None = None) -> ReserveOutcome:
         """Hold every line of a (validated, sorted) cart or none; the answer is kept
         under the request key, and the same key with another cart raises
-        IdempotencyKeyReused. `over`: the pgreserve hold a refusal is given over
-        (primary mode), kept with the refusal (`refused_over`)."""
+        IdempotencyKeyReused."""
+        outcome, _ = await self.reserve_answer(tenant, request_key, fingerprint, cart, ttl,
+                                               mode=mode, hold_id=hold_id, pg_id=pg_id)
+        return outcome
+
+    @_answered
+    async def reserve_answer(self, tenant: int, request_key: str, fingerprint: str,
+                             cart: Sequence[Line], ttl: timedelta, *, mode: str = "legacy",
+                             hold_id: str | None = None, pg_id: str | None = None,
+                             over: str | None = None) -> tuple[ReserveOutcome, RefusalMark | None]:
+        """`reserve`, with what the key's refusal (this one, or the one replayed) was
+        given over: `over`, the pgreserve hold a refusal in primary mode is given over,
+        is kept with it. The mark is None for a hold, and for a refusal stored before
+        refusals kept it."""
         hid = hold_id or str(uuid.uuid4())
         lines = [{"sku": x.sku, "location": x.location, "quantity": x.quantity} for x in cart]
         keys = [self.key(tenant, "req", request_key), self.key(tenant, "hold", hid),
@@ -330,17 +355,19 @@ class RedisHoldStore:
             record = await self.record(tenant, doc["id"])
             if record is None:  # retained answer outlived its record: the hold is long over
                 raise errors.ReservationNotFound(f"unknown reservation {doc['id']}")
-            return ReserveOutcome(True, record.reservation(replayed), (), replayed)
+            return ReserveOutcome(True, record.reservation(replayed), (), replayed), None
         short = tuple(ShortLine(cart[int(i) - 1].sku, cart[int(i) - 1].location, int(want),
                                 int(have)) for i, want, have in doc["short"])
-        return ReserveOutcome(False, None, short, replayed)
+        return ReserveOutcome(False, None, short, replayed), _mark(doc)
 
     @_answered
     async def answered(self, tenant: int, request_key: str, fingerprint: str,
-                       cart: Sequence[Line]) -> tuple[ReserveOutcome, str] | None:
+                       cart: Sequence[Line],
+                       ) -> tuple[ReserveOutcome, str, RefusalMark | None] | None:
         """The answer Redis keeps under a request key, as its replay, with the mode it
-        was given in (its hold's; a refusal's own, '' when it predates the field);
-        None when Redis keeps none or its hold record is gone. Writes nothing."""
+        was given in (its hold's; a refusal's own, '' when it predates the field) and a
+        refusal's mark (`reserve_answer`); None when Redis keeps none or its hold record
+        is gone. Writes nothing."""
         raw = await self.redis.get(self.key(tenant, "req", request_key))
         if raw is None:
             return None
@@ -352,22 +379,11 @@ class RedisHoldStore:
             record = await self.record(tenant, doc["id"])
             if record is None:
                 return None
-            return ReserveOutcome(True, record.reservation(True), (), True), record.mode
+            return ReserveOutcome(True, record.reservation(True), (), True), record.mode, None
         short = tuple(ShortLine(cart[int(i) - 1].sku, cart[int(i) - 1].location, int(want),
                                 int(have)) for i, want, have in doc["short"])
-        return ReserveOutcome(False, None, short, True), str(doc.get("mode", ""))
-
-    @_answered
-    async def refused_over(self, tenant: int, request_key: str) -> str | None:
-        """The pgreserve hold Redis's stored refusal under a request key was given over
-        (`reserve(over=)`); '' for a refusal given over none; None when Redis keeps no
-        refusal under the key, or one stored before refusals kept the field."""
-        raw = await self.redis.get(self.key(tenant, "req", request_key))
-        if raw is None:
-            return None
-        doc = json.loads(raw)
-        over = None if doc["held"] else doc.get("over")
-        return None if over is None else str(over)
+        return (ReserveOutcome(False, None, short, True), str(doc.get("mode", "")),
+                _mark(doc))
 
     @_answered
     async def record(self, tenant: int, hold_id: str) -> HoldRecord | None:

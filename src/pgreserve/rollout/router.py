@@ -80,7 +80,7 @@ from .comparison import (
     transition_outcome,
 )
 from .modes import DEFAULT_MODE_TTL_S, Mode, ModeBook, utcnow
-from .redis_store import HoldRecord, RedisHoldStore
+from .redis_store import HoldRecord, RedisHoldStore, RefusalMark
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,8 @@ CLOCK_MARGIN = timedelta(seconds=5)
 FROZEN_LINK = "frozen"
 
 OP_SALE = Op("rollout", "rollout_legacy_sale_record", "rollout/legacy-sale")
+# the modes in which Redis answered the caller
+_REDIS_ANSWERED = frozenset({Mode.LEGACY.value, Mode.SHADOW.value})
 OP_REFUSAL = Op("rollout", "rollout_refusal_record", "rollout/primary-refusal")
 OP_TENANTS = Op("sweeper", "rollout_redis_tenant_list", "worker/rollout-expiry")
 
@@ -248,11 +250,19 @@ class Rollout:
         fingerprint = reserve_digest(cart, life, ref, meta)
         if mode is Mode.PGRESERVE:
             # the day after leaving primary: a key Redis answered first keeps that answer
-            first = await self._redis_first(tenant, key, fingerprint, cart, Mode.SHADOW)
-            if first is not None:
-                return first
-            return await self.service.reserve(tenant, key, cart, ttl=life, reference=ref,
-                                              metadata=meta)
+            found = await self._redis_answer(tenant, key, fingerprint, cart)
+            if found is not None and found[1] in _REDIS_ANSWERED:
+                return found[0]
+            pg = await self.service.reserve(tenant, key, cart, ttl=life, reference=ref,
+                                            metadata=meta)
+            if (pg.held and pg.replayed and found is not None
+                    and found[2] == RefusalMark(Mode.PRIMARY.value, _rid(pg))
+                    and await self._record_refusal(tenant, key, _rid(pg), found[0])):
+                # Redis refused this hold in primary, and the refusal was not yet the
+                # key's answer in pgreserve (a request of the key in a process still in
+                # primary is recording it, or could not): it is now
+                return found[0]
+            return pg
         self.recorder.request(tenant)
         if mode is Mode.LEGACY:
             return await self.store.reserve(tenant, key, fingerprint, cart, life)
@@ -270,18 +280,23 @@ class Rollout:
         `last`: shadow, whose hold finishes in both stores), replayed as it stands; None
         when there is none (or Redis does not answer: pgreserve decides). pgreserve is
         not asked then, so it keeps no answer of its own under the key."""
-        answering = {Mode.LEGACY.value} | ({Mode.SHADOW.value} if last is Mode.SHADOW
-                                           else set())
+        answering = _REDIS_ANSWERED if last is Mode.SHADOW else {Mode.LEGACY.value}
+        found = await self._redis_answer(tenant, key, fingerprint, cart)
+        if found is None or found[1] not in answering:
+            return None
+        return found[0]
+
+    async def _redis_answer(self, tenant: int, key: str, fingerprint: str, cart: list[Line],
+                            ) -> tuple[ReserveOutcome, str, RefusalMark | None] | None:
+        """What Redis keeps under the key (store.answered); None also when Redis does not
+        answer (it is the secondary store where this is asked)."""
         try:
-            found = await self.store.answered(tenant, key, fingerprint, cart)
+            return await self.store.answered(tenant, key, fingerprint, cart)
         except IdempotencyKeyReused:
             raise
         except Exception:  # noqa: BLE001 - Redis is the secondary store here
             self.metrics.secondary_failures.labels("legacy", "read").inc()
             return None
-        if found is None or found[1] not in answering:
-            return None
-        return found[0]
 
     async def _reserve_shadow(self, tenant: int, key: str, fingerprint: str,
                               cart: list[Line], life: timedelta) -> ReserveOutcome:
@@ -382,14 +397,18 @@ class Rollout:
         hold_id = _rid(pg) if pg.held else None
         started = perf_counter()
         try:
-            legacy = await self.store.reserve(tenant, key, fingerprint, cart, life,
-                                              mode=Mode.PRIMARY.value, hold_id=hold_id,
-                                              pg_id=hold_id,
-                                              over=None if pg.replayed else hold_id)
+            legacy, mark = await self.store.reserve_answer(
+                tenant, key, fingerprint, cart, life, mode=Mode.PRIMARY.value, hold_id=hold_id,
+                pg_id=hold_id, over=None if pg.replayed else hold_id)
         except Exception as exc:  # noqa: BLE001 - the secondary side never fails the caller
             self.metrics.secondary_failures.labels("legacy", "reserve").inc()
             self._compare(tenant, Mode.PRIMARY, "reserve", key, error_outcome(exc),
                           reserve_outcome(pg), _ms(started), pg_ms)
+            if pg.held and not await self._hold_told(tenant, key, _rid(pg)):
+                # a request of this key in another process recorded Redis's refusal
+                # meanwhile: that is the key's answer now
+                return await self.service.reserve(tenant, key, cart, ttl=life,
+                                                  reference=reference, metadata=metadata)
             return pg
         self._compare(tenant, Mode.PRIMARY, "reserve", key, reserve_outcome(legacy),
                       reserve_outcome(pg), _ms(started), pg_ms)
@@ -412,36 +431,55 @@ class Rollout:
         if legacy.held and not pg.held and not legacy.replayed:
             await self._secondary(self.store.release(tenant, _rid(legacy)), "legacy", "release")
         if pg.held and not legacy.held:
+            if legacy.replayed and mark == RefusalMark(Mode.PRIMARY.value, ""):
+                # Redis refused a retry of a key whose hold pgreserve answered alone
+                # (Redis did not answer the first time): the hold stays the caller's,
+                # a disagreement, never taken back
+                return pg
             # Redis has every hold of every mode: a refusal means its units are held
             # elsewhere (a process still in legacy during a switch). Selling anyway
-            # would sell them twice; the caller gets the refusal, which becomes the
-            # key's answer in pgreserve too (its hold goes back in the same
-            # transaction), so no later mode replays the hold nobody was told about.
-            # Redis keeps the refusal marked as given over this hold (`over`), so
-            # a replay of it, in this process or another, before or after that
-            # record (which may fail: the next replay makes it), is the same refusal.
-            # A refusal without the mark was Redis's answer to a retry of a key whose
-            # hold pgreserve answered alone (Redis did not answer the first time, or
-            # another process's retry reached Redis first): that hold stays the
-            # caller's, a disagreement, never taken back. (A refusal stored before
-            # the mark existed, None, is the key's answer as it was then.)
-            if legacy.replayed and (await self.store.refused_over(tenant, key)) not in (
-                    None, _rid(pg)):
+            # would sell them twice; the caller gets the refusal, once it is the
+            # key's answer in pgreserve too (ledger_refusal_record_v1: its hold goes
+            # back in the same transaction), so that no later mode replays the hold.
+            # A hold a caller was told stays (false).
+            if not await self._record_refusal(tenant, key, _rid(pg), legacy):
                 return pg
-            await self._secondary(self._record_refusal(tenant, key, _rid(pg), legacy),
-                                  "pgreserve", "release")
             return legacy
         return pg
 
     async def _record_refusal(self, tenant: int, key: str, hold_id: str,
-                              refusal: ReserveOutcome) -> None:
+                              refusal: ReserveOutcome) -> bool:
+        """Make Redis's refusal of pgreserve's hold the key's answer in pgreserve; False
+        when the hold stands (a caller was told it). Not recorded, the refusal is not
+        told: OutcomeUnknown, and the retry decides."""
         doc = {"status": "rejected", "reason": refusal.reason or "insufficient_stock",
                "short_lines": [{"sku": s.sku, "location": s.location,
                                 "requested": s.requested, "available": s.available}
                                for s in refusal.short_lines]}
-        await self.service.db.fetch(queries["rollout_refusal_record"],
-                                    (tenant, key, uuid.UUID(hold_id), json.dumps(doc)),
-                                    op=OP_REFUSAL)
+        try:
+            rows = await self.service.db.fetch(
+                queries["rollout_refusal_record"],
+                (tenant, key, uuid.UUID(hold_id), json.dumps(doc)), op=OP_REFUSAL)
+        except Exception as exc:
+            raise OutcomeUnknown(
+                f"the legacy store refused this cart and pgreserve did not record the "
+                f"refusal ({type(exc).__name__}); retry with the same request key") from exc
+        return bool(rows[0][0])
+
+    async def _hold_told(self, tenant: int, key: str, hold_id: str) -> bool:
+        """Before pgreserve's hold is told while Redis did not answer: keep it the key's
+        answer, so that a refusal Redis may still store under the key (its reserve ran
+        after this process stopped waiting) never replaces it. False: a refusal was
+        recorded meanwhile. Not kept, the hold is not told: OutcomeUnknown."""
+        try:
+            rows = await self.service.db.fetch(queries["rollout_hold_told"],
+                                               (tenant, key, uuid.UUID(hold_id)), op=OP_REFUSAL)
+        except Exception as exc:
+            raise OutcomeUnknown(
+                f"the legacy store did not answer and pgreserve could not keep its hold as "
+                f"this key's answer ({type(exc).__name__}); retry with the same request "
+                f"key") from exc
+        return bool(rows[0][0])
 
     # -- change ------------------------------------------------------------------
 

@@ -66,27 +66,62 @@ BEGIN
 END $$;
 
 -- Rollout, primary mode (rollout/router.py): the legacy store refused a cart that
--- pgreserve held, and the caller was told that refusal (the legacy store has every
--- hold of every mode, so its refusal means the units are held elsewhere). In one
--- transaction the hold goes back and the refusal becomes the key's stored answer,
--- so that a replay under any later mode gives the answer the caller got, not the
--- hold nobody was told about. Lock order as everywhere: the request key, then the
--- reservation. Only the ledger entry of the reserve that created this hold is
--- changed; a claimed hold raises PR424 (release_v1) and changes nothing. Returns
--- whether that entry now holds the refusal.
+-- pgreserve held (the legacy store has every hold of every mode, so its refusal
+-- means the units are held elsewhere). Under the key's lock, and only if the key's
+-- answer is still that hold and no caller can have been told it (rollout_told: it
+-- was answered while the legacy store did not answer; claimed: someone who had the
+-- hold sold it), the hold goes back and the refusal becomes the key's stored answer,
+-- in one transaction, so a replay under any later mode gives the refusal. Lock order
+-- as everywhere: the request key, then the reservation. Returns whether the key's
+-- answer is now the refusal (recorded here, or by a request of the key before);
+-- false: the hold stands.
 CREATE OR REPLACE FUNCTION ledger_refusal_record_v1(p_tenant bigint, p_key text, p_id uuid,
                                                     p_outcome jsonb)
 RETURNS boolean LANGUAGE plpgsql AS $$
+DECLARE
+    v_row request_ledger;
+    v_status text;
 BEGIN
     IF p_outcome ->> 'status' IS DISTINCT FROM 'rejected' THEN
         RAISE EXCEPTION 'a refusal is recorded, not %', p_outcome ->> 'status'
             USING ERRCODE = 'PR400';
     END IF;
     PERFORM pg_advisory_xact_lock(hashtextextended(p_key, p_tenant));
+    SELECT * INTO v_row FROM request_ledger
+    WHERE tenant_id = p_tenant AND request_key = p_key
+    FOR UPDATE;
+    IF NOT FOUND OR v_row.operation <> 'reserve' THEN
+        RETURN false;
+    ELSIF v_row.status = 'rejected' THEN
+        RETURN true;
+    ELSIF v_row.rollout_told OR v_row.outcome -> 'reservation' ->> 'id' IS DISTINCT FROM p_id::text THEN
+        RETURN false;
+    END IF;
+    SELECT status INTO v_status FROM reservation
+    WHERE tenant_id = p_tenant AND reservation_id = p_id
+    FOR UPDATE;
+    IF v_status IS DISTINCT FROM 'active' AND v_status IS DISTINCT FROM 'released'
+       AND v_status IS DISTINCT FROM 'expired' THEN
+        RETURN false;  -- claimed (or gone): the hold was someone's
+    END IF;
     PERFORM release_v1(p_tenant, p_id);
     UPDATE request_ledger
     SET status = 'rejected', outcome = p_outcome
+    WHERE tenant_id = p_tenant AND request_key = p_key;
+    RETURN true;
+END $$;
+
+-- Rollout, primary mode: the caller is told pgreserve's hold while the legacy
+-- store did not answer (rollout_told, above). Under the key's lock, and only if the
+-- key's answer is still that hold; false: a refusal was recorded meanwhile (by a
+-- request of the key in another process), which is then the answer.
+CREATE OR REPLACE FUNCTION ledger_hold_told_v1(p_tenant bigint, p_key text, p_id uuid)
+RETURNS boolean LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtextextended(p_key, p_tenant));
+    UPDATE request_ledger
+    SET rollout_told = true
     WHERE tenant_id = p_tenant AND request_key = p_key AND operation = 'reserve'
-      AND outcome -> 'reservation' ->> 'id' = p_id::text;
+      AND status = 'succeeded' AND outcome -> 'reservation' ->> 'id' = p_id::text;
     RETURN FOUND;
 END $$;

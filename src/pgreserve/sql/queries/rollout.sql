@@ -177,3 +177,8 @@ SELECT (SELECT count(*) FROM saved), (SELECT count(*) FROM counted);
 -- Primary mode: the legacy store's refusal of a cart pgreserve held is the key's
 -- answer (ledger.sql: the hold goes back, the refusal is stored under the key).
 SELECT ledger_refusal_record_v1(%s, %s, %s, %s::jsonb);
+
+-- name: rollout_hold_told
+-- Primary mode: the hold told while the legacy store did not answer stays the key's
+-- answer (ledger.sql).
+SELECT ledger_hold_told_v1(%s, %s, %s);

@@ -104,7 +104,7 @@ BEGIN
               'change_v1', 'claim_v1', 'expire_due_v1', 'expire_due_v2', 'extend_v1', 'extend_v2', 'freeze_doc_v1', 'freeze_lift_v1',
               'freeze_lock_key_v1', 'freeze_refusal_v1', 'freeze_set_v1',
               'invariant_violations_v1', 'ledger_check_v1', 'ledger_record_v1',
-              'ledger_refusal_record_v1',
+              'ledger_hold_told_v1', 'ledger_refusal_record_v1',
               'location_priority_get_v1', 'location_priority_of_v1',
               'location_priority_set_v1', 'reserve_allocated_v1', 'sku_update_v1',
               'pool_refill_candidates_v1', 'pool_refill_v1', 'pool_replenish_v1',
