@@ -1796,19 +1796,48 @@ async def redis_refuses(service: ReservationService, store: RedisHoldStore,
     await set_mode(db, tenant, Mode.PRIMARY, "test")
 
 
-def gate_record(r: Rollout) -> tuple[asyncio.Event, asyncio.Event]:
-    """r's pgreserve-side step after Redis refused (recording the refusal) waits until
-    `go` is set; `reached` is set when it gets there."""
+def gate(owner: Any, name: str) -> tuple[asyncio.Event, asyncio.Event]:
+    """owner's async method `name` waits until `go` is set before it runs; `reached` is
+    set when a call gets there."""
     reached, go = asyncio.Event(), asyncio.Event()
-    real = r._record_refusal
+    real = getattr(owner, name)
 
-    async def gated(*args: Any) -> bool:
+    async def gated(*args: Any, **kwargs: Any) -> Any:
         reached.set()
         await go.wait()
-        return await real(*args)
+        return await real(*args, **kwargs)
 
-    r._record_refusal = gated  # type: ignore[method-assign, assignment]
+    setattr(owner, name, gated)
     return reached, go
+
+
+def gate_record(r: Rollout) -> tuple[asyncio.Event, asyncio.Event]:
+    """r's pgreserve-side step after Redis refused (recording the refusal) waits."""
+    return gate(r, "_record_refusal")
+
+
+def gate_redis_reserve(r: Rollout) -> tuple[asyncio.Event, asyncio.Event]:
+    """r's reserves in Redis wait."""
+    return gate(r.store, "reserve_answer")
+
+
+async def refusal_not_recorded(rollout: Rollout, service: ReservationService,
+                               tenant: int) -> None:
+    """A reserve of key k in primary whose refusal (Redis's, over pgreserve's hold) could
+    not be recorded in pgreserve (the database did not answer): OutcomeUnknown."""
+    real_fetch = service.db.fetch
+
+    async def failing_fetch(sql: Any, params: Any = (), *, op: Any = None) -> Any:
+        if op is not None and op.action == "rollout_refusal_record":
+            raise errors.DatabaseUnavailable("no connection free")
+        return await real_fetch(sql, params, op=op)
+
+    service.db.fetch = failing_fetch  # type: ignore[method-assign]
+    try:
+        with pytest.raises(errors.OutcomeUnknown):
+            await rollout.reserve(tenant, "k", CART, ttl=60)
+    finally:
+        service.db.fetch = real_fetch  # type: ignore[method-assign]
 
 
 @contextlib.asynccontextmanager
@@ -1838,17 +1867,7 @@ async def test_a_primary_refusal_whose_record_failed_is_still_replayed_as_the_re
     key's answer: the caller gets OutcomeUnknown, and the retry the refusal, recorded
     then, in primary and after the move to pgreserve."""
     await redis_refuses(service, store, tenant.id, db)
-    real_fetch = service.db.fetch
-
-    async def failing_fetch(sql: Any, params: Any = (), *, op: Any = None) -> Any:
-        if op is not None and op.action == "rollout_refusal_record":
-            raise errors.DatabaseUnavailable("no connection free")
-        return await real_fetch(sql, params, op=op)
-
-    service.db.fetch = failing_fetch  # type: ignore[method-assign]
-    with pytest.raises(errors.OutcomeUnknown):
-        await rollout.reserve(tenant.id, "k", CART, ttl=60)
-    service.db.fetch = real_fetch  # type: ignore[method-assign]
+    await refusal_not_recorded(rollout, service, tenant.id)
     again = await rollout.reserve(tenant.id, "k", CART, ttl=60)
     assert not again.held, f"replayed {again.held=}"
     await set_mode(db, tenant.id, Mode.PGRESERVE, "test")
@@ -1941,15 +1960,7 @@ async def test_two_processes_with_one_key_tell_the_same_hold_when_a_retry_reache
     the key on a retry). A's Redis call then replays that refusal: A's caller gets the
     same hold, which stays active."""
     await redis_refuses(service, store, tenant.id, db)
-    reached, go = asyncio.Event(), asyncio.Event()
-    real = rollout.store.reserve_answer
-
-    async def gated(*args: Any, **kwargs: Any) -> Any:
-        reached.set()
-        await go.wait()
-        return await real(*args, **kwargs)
-
-    rollout.store.reserve_answer = gated  # type: ignore[method-assign]
+    reached, go = gate_redis_reserve(rollout)
     a = asyncio.create_task(rollout.reserve(tenant.id, "k", CART, ttl=60))
     await asyncio.wait_for(reached.wait(), 5)
     b = await rollout_b.reserve(tenant.id, "k", CART, ttl=60)
@@ -2121,40 +2132,11 @@ async def test_a_refusal_whose_record_failed_is_the_answer_after_a_move_to_pgres
     (OutcomeUnknown). The tenant moves to pgreserve before any retry: the retry (Redis is
     still asked) gets the refusal, which pgreserve now keeps, and nothing is sold."""
     await redis_refuses(service, store, tenant.id, db)
-    real_fetch = service.db.fetch
-
-    async def failing_fetch(sql: Any, params: Any = (), *, op: Any = None) -> Any:
-        if op is not None and op.action == "rollout_refusal_record":
-            raise errors.DatabaseUnavailable("no connection free")
-        return await real_fetch(sql, params, op=op)
-
-    service.db.fetch = failing_fetch  # type: ignore[method-assign]
-    with pytest.raises(errors.OutcomeUnknown):
-        await rollout.reserve(tenant.id, "k", CART, ttl=60)
-    service.db.fetch = real_fetch  # type: ignore[method-assign]
+    await refusal_not_recorded(rollout, service, tenant.id)
     await set_mode(db, tenant.id, Mode.PGRESERVE, "test")
     moved = await rollout.reserve(tenant.id, "k", CART, ttl=60)
     assert not moved.held and moved.short_lines[0].available == 0
     assert (await service.lookup_request(tenant.id, "k")).status == "rejected"
-    assert (await service.get_stock(tenant.id, "a", "x")).available == 1
-
-
-async def test_a_refusal_being_recorded_while_the_tenant_moves_to_pgreserve_is_the_answer(
-        rollout: Rollout, rollout_b: Rollout, service: ReservationService,
-        store: RedisHoldStore, tenant: Tenant, db: Database) -> None:
-    """A (primary) has pgreserve's hold H and Redis's refusal over H and is about to
-    record it; the tenant moves to pgreserve and B, another process that sees the new
-    mode, gets a request of the key: B's caller gets the refusal too, not H."""
-    await redis_refuses(service, store, tenant.id, db)
-    reached, go = gate_record(rollout)
-    a = asyncio.create_task(rollout.reserve(tenant.id, "k", CART, ttl=60))
-    await asyncio.wait_for(reached.wait(), 5)
-    await set_mode(db, tenant.id, Mode.PGRESERVE, "test")
-    b = await rollout_b.reserve(tenant.id, "k", CART, ttl=60)
-    go.set()
-    first = await a
-    assert not first.held and not b.held
-    assert b.short_lines == first.short_lines
     assert (await service.get_stock(tenant.id, "a", "x")).available == 1
 
 
@@ -2226,3 +2208,110 @@ async def test_http_a_refusal_of_several_lines_replays_the_same_409(
     assert (again.status_code, moved.status_code) == (409, 409)
     for s in ("a", "b", "c"):
         assert (await service.get_stock(tenant, s, "x")).available == 5
+
+
+@pytest.mark.parametrize("paused", ["before Redis", "recording the refusal"])
+async def test_a_request_in_pgreserve_mode_agrees_with_one_still_in_primary(
+        paused: str, rollout: Rollout, rollout_b: Rollout, service: ReservationService,
+        store: RedisHoldStore, tenant: Tenant, db: Database) -> None:
+    """A (primary) has pgreserve's hold H and is paused before it reaches Redis, or once
+    Redis refused over H, before it records the refusal; the tenant moves to pgreserve
+    and B, another process in the new mode, gets a request of the key. Before Redis: B
+    finds no answer in Redis and is told H, marked as told first, so Redis's refusal
+    does not replace it and both callers hold H. Recording: B finds Redis's refusal over
+    H and both callers are refused."""
+    await redis_refuses(service, store, tenant.id, db)
+    reached, go = (gate_redis_reserve(rollout) if paused == "before Redis"
+                   else gate_record(rollout))
+    a = asyncio.create_task(rollout.reserve(tenant.id, "k", CART, ttl=60))
+    await asyncio.wait_for(reached.wait(), 5)
+    await set_mode(db, tenant.id, Mode.PGRESERVE, "test")
+    b = await rollout_b.reserve(tenant.id, "k", CART, ttl=60)
+    go.set()
+    first = await a
+    later = await rollout_b.reserve(tenant.id, "k", CART, ttl=60)
+    held = paused == "before Redis"
+    assert first.held == b.held == later.held == held
+    if held:
+        assert b.reservation is not None
+        assert (await rollout_b.claim(tenant.id, b.reservation.id)).status is Status.CLAIMED
+    else:
+        assert b.short_lines == first.short_lines
+        assert (await service.get_stock(tenant.id, "a", "x")).available == 1
+
+
+async def test_a_hold_told_in_pgreserve_mode_while_redis_is_down_stays_the_answer(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """Primary: Redis refused over pgreserve's hold H and the record failed
+    (OutcomeUnknown, no answer). After the move to pgreserve a retry while Redis is down
+    is told H, the key's first answer; once Redis is back, with its refusal over H,
+    retries still replay H, and H stays active."""
+    await redis_refuses(service, store, tenant.id, db)
+    await refusal_not_recorded(rollout, service, tenant.id)
+    await set_mode(db, tenant.id, Mode.PGRESERVE, "test")
+    async with redis_down(rollout):
+        told = await rollout.reserve(tenant.id, "k", CART, ttl=60)
+    assert told.held and told.reservation is not None
+    for _ in range(2):
+        again = await rollout.reserve(tenant.id, "k", CART, ttl=60)
+        assert again.held and again.reservation is not None
+        assert again.reservation.id == told.reservation.id
+    assert (await service.get_reservation(tenant.id, told.reservation.id)).status is \
+        Status.ACTIVE
+
+
+@pytest.mark.parametrize("told_first", [False, True])
+async def test_a_hold_told_and_a_refusal_recorded_at_once_agree(
+        told_first: bool, rollout: Rollout, rollout_b: Rollout, service: ReservationService,
+        store: RedisHoldStore, tenant: Tenant, db: Database) -> None:
+    """A: Redis runs the reserve (a refusal over H) but its reply is lost, so A marks H
+    told; B (primary) replays H and Redis's refusal over H and records the refusal. In
+    either order both callers, and a later replay, agree."""
+    await redis_refuses(service, store, tenant.id, db)
+    real = rollout.store.reserve_answer
+
+    async def lost_reply(*args: Any, **kwargs: Any) -> Any:
+        await real(*args, **kwargs)
+        raise errors.OutcomeUnknown("the legacy Redis store did not answer (reply lost)")
+
+    rollout.store.reserve_answer = lost_reply  # type: ignore[method-assign]
+    reached, go = gate(rollout, "_hold_told")
+    a = asyncio.create_task(rollout.reserve(tenant.id, "k", CART, ttl=60))
+    await asyncio.wait_for(reached.wait(), 5)
+    if told_first:
+        go.set()
+        first = await a
+        b = await rollout_b.reserve(tenant.id, "k", CART, ttl=60)
+    else:
+        b = await rollout_b.reserve(tenant.id, "k", CART, ttl=60)
+        go.set()
+        first = await a
+    await set_mode(db, tenant.id, Mode.PGRESERVE, "test")
+    later = await rollout_b.reserve(tenant.id, "k", CART, ttl=60)
+    assert first.held == b.held == later.held == told_first
+    assert await service.invariant_violations() == []
+
+
+async def test_a_refusal_stored_before_marks_is_the_answer_in_pgreserve_mode_too(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """The state earlier code left: Redis refused over pgreserve's hold H in primary (a
+    refusal kept without its mark), the caller was told the refusal and H was released,
+    pgreserve's ledger still says held. After the move to pgreserve the retry replays the
+    refusal, as it does in primary."""
+    await redis_refuses(service, store, tenant.id, db)
+    await refusal_not_recorded(rollout, service, tenant.id)
+    rkey = store.key(tenant.id, "req", "k")
+    raw = await store.redis.get(rkey)
+    assert raw is not None
+    doc = json.loads(raw)
+    del doc["over"]  # as stored before refusals kept it
+    await store.redis.set(rkey, json.dumps(doc))
+    rows = await db.fetch("SELECT reservation_id::text FROM reservation WHERE tenant_id = %s",
+                          (tenant.id,))
+    await service.release(tenant.id, rows[0][0])  # what the earlier code did
+    await set_mode(db, tenant.id, Mode.PGRESERVE, "test")
+    moved = await rollout.reserve(tenant.id, "k", CART, ttl=60)
+    assert not moved.held and moved.short_lines[0].available == 0
+    assert (await service.lookup_request(tenant.id, "k")).status == "rejected"

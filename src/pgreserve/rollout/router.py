@@ -255,13 +255,23 @@ class Rollout:
                 return found[0]
             pg = await self.service.reserve(tenant, key, cart, ttl=life, reference=ref,
                                             metadata=meta)
-            if (pg.held and pg.replayed and found is not None
-                    and found[2] == RefusalMark(Mode.PRIMARY.value, _rid(pg))
+            if (pg.held and pg.replayed and found is not None and not found[0].held
+                    and found[1] == Mode.PRIMARY.value
+                    and found[2] in (RefusalMark(Mode.PRIMARY.value, _rid(pg)), None)
                     and await self._record_refusal(tenant, key, _rid(pg), found[0])):
-                # Redis refused this hold in primary, and the refusal was not yet the
-                # key's answer in pgreserve (a request of the key in a process still in
-                # primary is recording it, or could not): it is now
+                # Redis refused this hold in primary (or before refusals were marked),
+                # and the refusal was not yet the key's answer in pgreserve (a request
+                # of the key in a process still in primary is recording it, or could
+                # not): it is now
                 return found[0]
+            if (pg.held and pg.replayed and found is None
+                    and not await self._hold_told(tenant, key, _rid(pg))):
+                # Redis keeps no answer (it is down, or a process still in primary has
+                # not reached it yet and may keep a refusal over this hold): the hold
+                # is told only once marked, as in primary; false: that refusal was
+                # recorded meanwhile, and is the answer
+                return await self.service.reserve(tenant, key, cart, ttl=life,
+                                                  reference=ref, metadata=meta)
             return pg
         self.recorder.request(tenant)
         if mode is Mode.LEGACY:

@@ -111,17 +111,25 @@ BEGIN
     RETURN true;
 END $$;
 
--- Rollout, primary mode: the caller is told pgreserve's hold while the legacy
--- store did not answer (rollout_told, above). Under the key's lock, and only if the
--- key's answer is still that hold; false: a refusal was recorded meanwhile (by a
--- request of the key in another process), which is then the answer.
+-- Rollout: the caller is told pgreserve's hold while the legacy store did not
+-- answer, or had no answer under the key yet (rollout_told, above). Under the key's
+-- lock, and only if the key's answer is still that hold (a row marked already is
+-- not written again); false: a refusal was recorded meanwhile (by a request of the
+-- key in another process), which is then the answer.
 CREATE OR REPLACE FUNCTION ledger_hold_told_v1(p_tenant bigint, p_key text, p_id uuid)
 RETURNS boolean LANGUAGE plpgsql AS $$
+DECLARE
+    v_told boolean;
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtextextended(p_key, p_tenant));
-    UPDATE request_ledger
-    SET rollout_told = true
+    SELECT rollout_told INTO v_told FROM request_ledger
     WHERE tenant_id = p_tenant AND request_key = p_key AND operation = 'reserve'
       AND status = 'succeeded' AND outcome -> 'reservation' ->> 'id' = p_id::text;
-    RETURN FOUND;
+    IF NOT FOUND THEN
+        RETURN false;
+    ELSIF NOT v_told THEN
+        UPDATE request_ledger SET rollout_told = true
+        WHERE tenant_id = p_tenant AND request_key = p_key;
+    END IF;
+    RETURN true;
 END $$;
