@@ -2021,8 +2021,8 @@ async def test_http_a_hold_answered_while_redis_was_down_replays_the_same_201(
 async def test_redis_keeps_with_a_refusal_the_hold_it_was_given_over(
         store: RedisHoldStore, tenant: Tenant) -> None:
     """A refusal Redis keeps says the mode it was given in and the pgreserve hold it was
-    given over ('' for none), and its replay says the same; a hold has no mark, nor has
-    a refusal stored before refusals kept it."""
+    given over ('' for none; None when stored before refusals kept it), and its replay
+    says the same; a hold has no mark."""
     from datetime import timedelta
 
     from pgreserve.domain import Line
@@ -2043,7 +2043,7 @@ async def test_redis_keeps_with_a_refusal_the_hold_it_was_given_over(
     await store.redis.set(store.key(tenant.id, "req", "old"), json.dumps(
         {"held": False, "short": [[1, 2, 0]], "fp": "fp", "mode": "primary"}))
     out, mark = await store.reserve_answer(tenant.id, "old", "fp", cart, life, mode="primary")
-    assert out.replayed and not out.held and mark is None
+    assert out.replayed and not out.held and mark == RefusalMark("primary", None)
 
 
 async def busy_redis(store: RedisHoldStore, seconds: float) -> None:
@@ -2140,17 +2140,20 @@ async def test_a_refusal_whose_record_failed_is_the_answer_after_a_move_to_pgres
     assert (await service.get_stock(tenant.id, "a", "x")).available == 1
 
 
+@pytest.mark.parametrize("later_mode", [Mode.PRIMARY, Mode.PGRESERVE])
 async def test_a_purged_key_redis_still_refuses_is_refused_not_held_anew(
-        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
-        tenant: Tenant, db: Database) -> None:
+        later_mode: Mode, rollout: Rollout, service: ReservationService,
+        store: RedisHoldStore, tenant: Tenant, db: Database) -> None:
     """Primary: Redis refused over pgreserve's hold, recorded. pgreserve then forgets the
-    key (its retention can be shorter than Redis's 24 h): the retry makes a new hold in
-    pgreserve, Redis replays its refusal over the old one, and the caller is refused
-    again; the new hold goes back and nothing is sold."""
+    key (its retention can be shorter than Redis's 24 h): the retry, in primary or after
+    the move to pgreserve (Redis still asked), makes a new hold in pgreserve, Redis
+    replays its refusal over the old one, and the caller is refused again; the new hold
+    goes back and nothing is sold."""
     await redis_refuses(service, store, tenant.id, db)
     first = await rollout.reserve(tenant.id, "k", CART, ttl=60)
     assert not first.held
     await db.fetch("SELECT request_keys_purge_v1(interval '0 seconds', 1000)")
+    await set_mode(db, tenant.id, later_mode, "test")
     again = await rollout.reserve(tenant.id, "k", CART, ttl=60)
     assert not again.held and again.short_lines == first.short_lines
     assert (await service.get_stock(tenant.id, "a", "x")).available == 1
@@ -2315,3 +2318,35 @@ async def test_a_refusal_stored_before_marks_is_the_answer_in_pgreserve_mode_too
     moved = await rollout.reserve(tenant.id, "k", CART, ttl=60)
     assert not moved.held and moved.short_lines[0].available == 0
     assert (await service.lookup_request(tenant.id, "k")).status == "rejected"
+
+
+@pytest.mark.parametrize("later_mode", [Mode.PRIMARY, Mode.PGRESERVE])
+async def test_an_unmarked_refusal_of_a_retry_does_not_take_back_a_told_hold(
+        later_mode: Mode, rollout: Rollout, service: ReservationService,
+        store: RedisHoldStore, tenant: Tenant, db: Database) -> None:
+    """The other state earlier code left: Redis was down on the first request and the
+    caller was told pgreserve's hold H; a retry reached Redis first, which refused and
+    kept its refusal without a mark, and the caller was told H again. H is active and
+    not marked told. Later retries, in primary or pgreserve, still replay H."""
+    await redis_refuses(service, store, tenant.id, db)
+    async with redis_down(rollout):
+        first = await rollout.reserve(tenant.id, "k", CART, ttl=60)
+    assert first.held and first.reservation is not None
+    await db.fetch("UPDATE request_ledger SET rollout_told = false WHERE tenant_id = %s "
+                   "AND request_key = 'k' RETURNING 1", (tenant.id,))  # as then
+    again = await rollout.reserve(tenant.id, "k", CART, ttl=60)  # the retry Redis refuses
+    assert again.held and again.reservation is not None
+    assert again.reservation.id == first.reservation.id
+    rkey = store.key(tenant.id, "req", "k")
+    raw = await store.redis.get(rkey)
+    assert raw is not None
+    doc = json.loads(raw)
+    assert doc["held"] is False and doc["over"] == ""
+    del doc["over"]  # as stored before refusals were marked
+    await store.redis.set(rkey, json.dumps(doc))
+    await set_mode(db, tenant.id, later_mode, "test")
+    later = await rollout.reserve(tenant.id, "k", CART, ttl=60)
+    assert later.held and later.reservation is not None
+    assert later.reservation.id == first.reservation.id
+    assert (await service.get_reservation(tenant.id, first.reservation.id)).status is \
+        Status.ACTIVE

@@ -80,16 +80,16 @@ def _answered(f: Callable[Concatenate[RedisHoldStore, P], Coroutine[Any, Any, T]
 @dataclass(frozen=True)
 class RefusalMark:
     """What a refusal Redis keeps was given in: the mode, and the pgreserve hold it
-    was given over (primary mode; '' for none)."""
+    was given over (primary mode; '' for none; None: stored before refusals kept it)."""
 
     mode: str
-    over: str
+    over: str | None
 
 
-def _mark(doc: dict[str, Any]) -> RefusalMark | None:
-    """A refusal document's mark; None for one stored before refusals kept it."""
-    return None if "over" not in doc else RefusalMark(str(doc.get("mode", "")),
-                                                        str(doc["over"]))
+def _mark(doc: dict[str, Any]) -> RefusalMark:
+    """A refusal document's mark."""
+    over = doc.get("over")
+    return RefusalMark(str(doc.get("mode", "")), None if over is None else str(over))
 
 
 # KEYS: req, hold, rec, deadlines, counters[n], helds[n]
@@ -333,9 +333,8 @@ class RedisHoldStore:
                              hold_id: str | None = None, pg_id: str | None = None,
                              over: str | None = None) -> tuple[ReserveOutcome, RefusalMark | None]:
         """`reserve`, with what the key's refusal (this one, or the one replayed) was
-        given over: `over`, the pgreserve hold a refusal in primary mode is given over,
-        is kept with it. The mark is None for a hold, and for a refusal stored before
-        refusals kept it."""
+        given in and over: `over`, the pgreserve hold a refusal in primary mode is given
+        over, is kept with it. The mark is None for a hold."""
         hid = hold_id or str(uuid.uuid4())
         lines = [{"sku": x.sku, "location": x.location, "quantity": x.quantity} for x in cart]
         keys = [self.key(tenant, "req", request_key), self.key(tenant, "hold", hid),

@@ -94,6 +94,7 @@ OP_SALE = Op("rollout", "rollout_legacy_sale_record", "rollout/legacy-sale")
 # the modes in which Redis answered the caller
 _REDIS_ANSWERED = frozenset({Mode.LEGACY.value, Mode.SHADOW.value})
 OP_REFUSAL = Op("rollout", "rollout_refusal_record", "rollout/primary-refusal")
+OP_TOLD = Op("rollout", "rollout_hold_told", "rollout/primary-hold-told")
 OP_TENANTS = Op("sweeper", "rollout_redis_tenant_list", "worker/rollout-expiry")
 
 
@@ -255,14 +256,14 @@ class Rollout:
                 return found[0]
             pg = await self.service.reserve(tenant, key, cart, ttl=life, reference=ref,
                                             metadata=meta)
-            if (pg.held and pg.replayed and found is not None and not found[0].held
+            if (pg.held and found is not None and found[2] is not None
                     and found[1] == Mode.PRIMARY.value
-                    and found[2] in (RefusalMark(Mode.PRIMARY.value, _rid(pg)), None)
+                    and await self._refusal_is_the_answer(tenant, found[2], pg)
                     and await self._record_refusal(tenant, key, _rid(pg), found[0])):
-                # Redis refused this hold in primary (or before refusals were marked),
-                # and the refusal was not yet the key's answer in pgreserve (a request
-                # of the key in a process still in primary is recording it, or could
-                # not): it is now
+                # Redis refused over this hold in primary, and the refusal was not yet
+                # the key's answer in pgreserve (a request of the key in a process still
+                # in primary is recording it, or could not; or pgreserve forgot the key
+                # and held anew): it is now
                 return found[0]
             if (pg.held and pg.replayed and found is None
                     and not await self._hold_told(tenant, key, _rid(pg))):
@@ -441,7 +442,8 @@ class Rollout:
         if legacy.held and not pg.held and not legacy.replayed:
             await self._secondary(self.store.release(tenant, _rid(legacy)), "legacy", "release")
         if pg.held and not legacy.held:
-            if legacy.replayed and mark == RefusalMark(Mode.PRIMARY.value, ""):
+            if (legacy.replayed and mark is not None
+                    and not await self._refusal_is_the_answer(tenant, mark, pg)):
                 # Redis refused a retry of a key whose hold pgreserve answered alone
                 # (Redis did not answer the first time): the hold stays the caller's,
                 # a disagreement, never taken back
@@ -456,6 +458,25 @@ class Rollout:
                 return pg
             return legacy
         return pg
+
+    async def _refusal_is_the_answer(self, tenant: int, mark: RefusalMark,
+                                     pg: ReserveOutcome) -> bool:
+        """Whether a refusal Redis keeps under the key (`mark`) is the key's answer over
+        pgreserve's hold `pg`, unless a caller was told that hold (ledger_refusal_record_v1
+        decides that). A refusal given while Redis answered (legacy, shadow) is; one given
+        in primary over a hold is; one given in primary over none (a retry of a key whose
+        hold pgreserve answered alone, Redis being down) is not, unless pgreserve forgot
+        the key and holds anew; one stored before refusals were marked is if the hold was
+        given back then, as the code of that time did when it told the refusal."""
+        if mark.mode != Mode.PRIMARY.value or not pg.replayed:
+            return mark.mode != Mode.PRIMARY.value or mark.over != ""
+        if mark.over is None:
+            try:
+                now = await self.service.get_reservation(tenant, _rid(pg))
+            except ReservationNotFound:
+                return True
+            return now.status is Status.RELEASED
+        return mark.over != ""
 
     async def _record_refusal(self, tenant: int, key: str, hold_id: str,
                               refusal: ReserveOutcome) -> bool:
@@ -483,12 +504,12 @@ class Rollout:
         recorded meanwhile. Not kept, the hold is not told: OutcomeUnknown."""
         try:
             rows = await self.service.db.fetch(queries["rollout_hold_told"],
-                                               (tenant, key, uuid.UUID(hold_id)), op=OP_REFUSAL)
+                                               (tenant, key, uuid.UUID(hold_id)), op=OP_TOLD)
         except Exception as exc:
             raise OutcomeUnknown(
-                f"the legacy store did not answer and pgreserve could not keep its hold as "
-                f"this key's answer ({type(exc).__name__}); retry with the same request "
-                f"key") from exc
+                f"pgreserve could not keep its hold as this key's answer while the legacy "
+                f"store may still keep a refusal over it ({type(exc).__name__}); retry "
+                f"with the same request key") from exc
         return bool(rows[0][0])
 
     # -- change ------------------------------------------------------------------
