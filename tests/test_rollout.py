@@ -2350,3 +2350,24 @@ async def test_an_unmarked_refusal_of_a_retry_does_not_take_back_a_told_hold(
     assert later.reservation.id == first.reservation.id
     assert (await service.get_reservation(tenant.id, first.reservation.id)).status is \
         Status.ACTIVE
+
+
+async def test_a_shadow_refusal_stays_the_answer_once_redis_is_no_longer_asked(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """Shadow: Redis refuses a cart pgreserve could hold; the caller gets Redis's refusal
+    and pgreserve's hold goes back. The refusal is the key's answer in pgreserve too, so
+    after the move to pgreserve, once Redis is no longer asked, a retry is refused, and
+    the lookup by key says so."""
+    await service.set_stock(tenant.id, "a", "x", 1)
+    await store.set_stock(tenant.id, "a", "x", 0)
+    await set_mode(db, tenant.id, Mode.SHADOW, "test")
+    first = await rollout.reserve(tenant.id, "k", CART, ttl=60)
+    assert not first.held
+    await set_mode(db, tenant.id, Mode.PGRESERVE, "test")
+    await db.fetch("UPDATE rollout_mode SET redis_until = now() - interval '1 second' "
+                   "WHERE tenant_id = %s RETURNING 1", (tenant.id,))
+    later = await rollout.reserve(tenant.id, "k", CART, ttl=60)
+    assert not later.held and later.short_lines == first.short_lines
+    assert (await service.lookup_request(tenant.id, "k")).status == "rejected"
+    assert (await service.get_stock(tenant.id, "a", "x")).available == 1

@@ -339,7 +339,13 @@ class Rollout:
                     tenant, legacy, pg, twin_of=Mode.LEGACY):
                 await self._secondary(self.store.link(tenant, _rid(legacy), _rid(pg)),
                                       "legacy", "link")
-            else:  # the caller was told no: nobody will claim pgreserve's hold
+            elif not legacy.held:
+                # the caller was told Redis's refusal: pgreserve's hold goes back and
+                # the refusal is the key's answer there too, for when Redis no longer
+                # answers it (a later mode, Redis's 24 h)
+                await self._secondary(self._record_refusal(tenant, key, _rid(pg), legacy),
+                                      "pgreserve", "release")
+            else:  # the caller has Redis's own earlier hold: nobody will claim this one
                 await self._secondary(self.service.release(tenant, _rid(pg)), "pgreserve",
                                       "release")
         return legacy
