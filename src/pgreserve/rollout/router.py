@@ -471,12 +471,13 @@ class Rollout:
         pgreserve's hold `pg`, unless a caller was told that hold (ledger_refusal_record_v1
         decides that). A refusal given while Redis answered (legacy, shadow) is; one given
         in primary over a hold is; one given in primary over none (a retry of a key whose
-        hold pgreserve answered alone, Redis being down) is not, unless pgreserve forgot
-        the key and holds anew; one stored before refusals were marked is if the hold was
-        given back then, as the code of that time did when it told the refusal."""
-        if mark.mode != Mode.PRIMARY.value or not pg.replayed:
-            return mark.mode != Mode.PRIMARY.value or mark.over != ""
-        if mark.over is None:
+        hold pgreserve answered alone, Redis being down) is not; one stored before
+        refusals were marked is over a new hold (pgreserve forgot the key), and over a
+        replayed one if that hold was given back then, as the code of that time did when
+        it told the refusal."""
+        if mark.mode != Mode.PRIMARY.value:
+            return True
+        if mark.over is None and pg.replayed:
             try:
                 now = await self.service.get_reservation(tenant, _rid(pg))
             except ReservationNotFound:

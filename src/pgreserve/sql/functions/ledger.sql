@@ -100,8 +100,7 @@ BEGIN
     SELECT status INTO v_status FROM reservation
     WHERE tenant_id = p_tenant AND reservation_id = p_id
     FOR UPDATE;
-    IF v_status IS DISTINCT FROM 'active' AND v_status IS DISTINCT FROM 'released'
-       AND v_status IS DISTINCT FROM 'expired' THEN
+    IF v_status IS NULL OR v_status = 'claimed' THEN
         RETURN false;  -- claimed (or gone): the hold was someone's
     END IF;
     PERFORM release_v1(p_tenant, p_id);
