@@ -26,7 +26,7 @@ import toolcheck
 from pgreserve import errors
 from pgreserve.core.service import ReservationService
 from pgreserve.db.database import Database, deadline
-from pgreserve.domain import Reservation, Status, Tenant
+from pgreserve.domain import Reservation, ReserveOutcome, Status, Tenant
 from pgreserve.http import create_app
 from pgreserve.rollout import Mode, RedisHoldStore, Rollout, set_mode
 from pgreserve.rollout import report as reports
@@ -1821,6 +1821,17 @@ def gate_redis_reserve(r: Rollout) -> tuple[asyncio.Event, asyncio.Event]:
     return gate(r.store, "reserve_answer")
 
 
+async def assert_same_active_hold(service: ReservationService, tenant: int,
+                                  first: ReserveOutcome, *outs: ReserveOutcome) -> None:
+    """Every outcome in `outs` is the hold `first` was told, and that hold is active."""
+    assert first.held and first.reservation is not None
+    for out in outs:
+        assert out.held and out.reservation is not None
+        assert out.reservation.id == first.reservation.id
+    assert (await service.get_reservation(tenant, first.reservation.id)).status is \
+        Status.ACTIVE
+
+
 async def refusal_not_recorded(rollout: Rollout, service: ReservationService,
                                tenant: int) -> None:
     """A reserve of key k in primary whose refusal (Redis's, over pgreserve's hold) could
@@ -1967,10 +1978,7 @@ async def test_two_processes_with_one_key_tell_the_same_hold_when_a_retry_reache
     go.set()
     first = await a
     assert b.held and first.held, f"A told held={first.held}, B told held={b.held}"
-    assert b.reservation is not None and first.reservation is not None
-    assert first.reservation.id == b.reservation.id
-    assert (await service.get_reservation(tenant.id, b.reservation.id)).status is \
-        Status.ACTIVE
+    await assert_same_active_hold(service, tenant.id, first, b)
 
 
 async def test_http_a_primary_refusal_replays_the_same_409_in_primary_and_pgreserve(
@@ -2100,11 +2108,7 @@ async def test_a_hold_told_while_redis_was_slow_stays_the_answer_when_redis_refu
     again = await rollout.reserve(tenant.id, "k", CART, ttl=60)
     await set_mode(db, tenant.id, Mode.PGRESERVE, "test")
     moved = await rollout.reserve(tenant.id, "k", CART, ttl=60)
-    for out in (again, moved):
-        assert out.held and out.reservation is not None
-        assert out.reservation.id == first.reservation.id
-    assert (await service.get_reservation(tenant.id, first.reservation.id)).status is \
-        Status.ACTIVE
+    await assert_same_active_hold(service, tenant.id, first, again, moved)
 
 
 async def test_http_a_201_told_while_redis_was_slow_replays_201(
@@ -2255,13 +2259,8 @@ async def test_a_hold_told_in_pgreserve_mode_while_redis_is_down_stays_the_answe
     await set_mode(db, tenant.id, Mode.PGRESERVE, "test")
     async with redis_down(rollout):
         told = await rollout.reserve(tenant.id, "k", CART, ttl=60)
-    assert told.held and told.reservation is not None
-    for _ in range(2):
-        again = await rollout.reserve(tenant.id, "k", CART, ttl=60)
-        assert again.held and again.reservation is not None
-        assert again.reservation.id == told.reservation.id
-    assert (await service.get_reservation(tenant.id, told.reservation.id)).status is \
-        Status.ACTIVE
+    await assert_same_active_hold(service, tenant.id, told, *[
+        await rollout.reserve(tenant.id, "k", CART, ttl=60) for _ in range(2)])
 
 
 @pytest.mark.parametrize("told_first", [False, True])
@@ -2346,10 +2345,7 @@ async def test_an_unmarked_refusal_of_a_retry_does_not_take_back_a_told_hold(
     await store.redis.set(rkey, json.dumps(doc))
     await set_mode(db, tenant.id, later_mode, "test")
     later = await rollout.reserve(tenant.id, "k", CART, ttl=60)
-    assert later.held and later.reservation is not None
-    assert later.reservation.id == first.reservation.id
-    assert (await service.get_reservation(tenant.id, first.reservation.id)).status is \
-        Status.ACTIVE
+    await assert_same_active_hold(service, tenant.id, first, later)
 
 
 async def test_a_shadow_refusal_stays_the_answer_once_redis_is_no_longer_asked(
