@@ -436,6 +436,38 @@ async def test_a_redis_hold_is_not_extended_past_the_time_claims_look_in_redis(
     assert await store.held(tenant.id, "a", "berlin") == 0
 
 
+@pytest.mark.parametrize("ended", ["released", "claimed"])
+async def test_an_extend_pgreserve_refuses_in_primary_leaves_the_redis_hold_as_it_was(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database, ended: str) -> None:
+    """In primary, pgreserve answers an extend: when it refuses one (its hold ended,
+    Redis's did not yet), Redis's hold keeps the end it had. Extended there, it would
+    outlive pgreserve's and keep its units from Redis's buyers long after pgreserve gave
+    them back. The comparison records Redis's hold as it still is: a disagreement."""
+    await seed(service, store, tenant.id, "a", 2)
+    await set_mode(db, tenant.id, Mode.PRIMARY, "test")
+    out = await rollout.reserve(tenant.id, "k", [("a", "berlin", 1)], ttl=30)
+    assert out.reservation is not None
+    rid = out.reservation.id
+    before = await store.record(tenant.id, rid)
+    assert before is not None and before.status == "held"
+    if ended == "released":
+        await service.release(tenant.id, rid)  # pgreserve's hold alone
+    else:
+        await service.claim(tenant.id, rid)
+    with pytest.raises(errors.ReservationNotActive):
+        await rollout.extend(tenant.id, rid, 600)
+    after = await store.record(tenant.id, rid)
+    assert after is not None and after.expires_at == before.expires_at
+    assert await store.redis.pttl(store.key(tenant.id, "hold", rid)) <= 30_000
+    await rollout.recorder.flush()
+    _summary, latest = await reports.report(db, tenant.id)
+    extends = [d for d in latest if d.operation == "extend"]
+    assert len(extends) == 1
+    assert extends[0].legacy == {"status": "active"}
+    assert extends[0].pgreserve["error"] == "reservation_not_active"
+
+
 async def test_a_failing_secondary_store_never_fails_the_caller(
         service: ReservationService, tenant: Tenant, db: Database) -> None:
     """Primary mode with Redis stopped still answers from pgreserve; the failures are counted

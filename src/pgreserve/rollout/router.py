@@ -65,6 +65,7 @@ from ..errors import (
     OutcomeUnknown,
     ReservationClaimed,
     ReservationExpired,
+    ReservationNotActive,
     ReservationNotFound,
     ReservationReleased,
     StockPolicyUnsupported,
@@ -711,6 +712,18 @@ class Rollout:
                 pg = await self._pg(action, tenant, reservation_id, request_key, ttl, shorten)
             except Exception as exc:
                 pg_ms = _ms(started)
+                if action == "extend" and isinstance(exc, _HOLD_ENDED):
+                    # pgreserve refused the extend, its hold having ended: Redis's hold
+                    # keeps the end it had. Extended there, it would outlive pgreserve's
+                    # and keep its units from Redis's buyers after pgreserve gave them
+                    # back. (A refusal of the arguments, a shorter end, goes on to
+                    # Redis below, which judges them alike.)
+                    now = await self._legacy_state(tenant, record)
+                    self._compare(tenant, mode, action, compared_key,
+                                  {"status": now} if now is not None
+                                  else {"error": MISSING_IN_REDIS},
+                                  error_outcome(exc), 0.0, pg_ms)
+                    raise
                 # pgreserve refused the claim (expired or released): Redis gives back too
                 twin = "release" if action == "claim" and isinstance(
                     exc, (ReservationExpired, ReservationReleased)) else action
@@ -873,6 +886,10 @@ class Rollout:
         except Exception:  # noqa: BLE001 - the secondary side never fails the caller
             self.metrics.secondary_failures.labels(side, operation).inc()
 
+
+# pgreserve's refusals of an extend that say its hold has ended (or never was)
+_HOLD_ENDED = (ReservationNotActive, ReservationReleased, ReservationClaimed,
+               ReservationExpired, ReservationNotFound)
 
 # pgreserve's refusals of a twin's claim that say it did not, and will not, sell it
 _NOT_SOLD_BY_TWIN = frozenset({ReservationReleased.code, ReservationExpired.code,
