@@ -117,6 +117,26 @@ async def test_location_on_every_201(app: FastAPI, api: ApiTenant) -> None:
     assert (await api.client.delete(hook.headers["location"])).status_code == 204
 
 
+@pytest.mark.parametrize(("path", "location", "sku", "header"), [
+    ("/v1/stock/%2E%2E/x", "..", "x", "/v1/stock/%2E%2E/x"),
+    ("/v1/stock/wh/%2E", "wh", ".", "/v1/stock/wh/%2E"),
+    ("/v1/stock/%2E/%2E%2E", ".", "..", "/v1/stock/%2E/%2E%2E"),
+    ("/v1/stock/wh/...", "wh", "...", "/v1/stock/wh/..."),
+])
+async def test_location_of_a_dot_named_line_is_that_line(
+        api: ApiTenant, path: str, location: str, sku: str, header: str) -> None:
+    """A name "." or ".." in Location is percent-encoded: bare, it is a dot-segment, and
+    the URL a client resolves from it (RFC 3986 5.2.4) names another resource."""
+    created = await api.client.put(path, json={"on_hand": 3})
+    assert created.status_code == 201, created.text
+    assert (created.json()["location"], created.json()["sku"]) == (location, sku)
+    assert created.headers["location"] == header
+    followed = httpx.URL("http://test/").join(created.headers["location"])
+    got = await api.client.get(str(followed))
+    assert got.status_code == 200, (followed, got.text)
+    assert (got.json()["location"], got.json()["sku"]) == (location, sku)
+
+
 async def test_stock_listing_over_http(api: ApiTenant, other: ApiTenant) -> None:
     """GET /v1/stock pages with limit and next_cursor through every line of this tenant
     only, with filters; a bad cursor is 400 invalid_cursor, a bad limit or a filter given

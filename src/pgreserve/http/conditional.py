@@ -68,10 +68,17 @@ def contradiction() -> errors.PreconditionFailed:
 
 
 def location_of(request: Request, *segments: str) -> str:
-    """The Location of a created resource: its path under the app's root path."""
+    """The Location of a created resource: its path under the app's root path. A name
+    "." or ".." is sent as %2E or %2E%2E: bare, it is a dot-segment, and a client
+    resolving the URL (RFC 3986 5.2.4) would go to another resource."""
     root = str(request.scope.get("root_path") or "").rstrip("/")
-    return root + "/" + "/".join(s if _UNRESERVED.fullmatch(s) else quote(s, safe="")
-                                 for s in segments)
+    return root + "/" + "/".join(_segment(s) for s in segments)
+
+
+def _segment(name: str) -> str:
+    if name in (".", ".."):
+        return "%2E" * len(name)
+    return name if _UNRESERVED.fullmatch(name) else quote(name, safe="")
 
 
 # what quote(safe="") leaves as it is (a reservation id, a route's own segments)
