@@ -96,6 +96,8 @@ def test_config_show_masks_every_secret(folder: Path) -> None:
     ('prepare_threshold = "sometimes"\n', "prepare_threshold: 'sometimes' is neither"),
     ("[api]\nport = 1\n", "api: unknown setting"),
     ("port = \n", "not a valid TOML file"),
+    ("request_deadline_seconds = nan\n", "request_deadline_seconds: nan is not a finite number"),
+    ("key_retention_hours = inf\n", "key_retention_hours: inf is not in the range"),
 ])
 def test_a_bad_file_is_one_line_naming_file_and_key_with_exit_2(
         folder: Path, text: str, message: str) -> None:
@@ -108,6 +110,34 @@ def test_a_bad_file_is_one_line_naming_file_and_key_with_exit_2(
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"Error: {conf}: "), result.output
     assert message in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("args", [
+    ["config", "show", "--request-deadline-seconds", "nan"],
+    ["config", "show", "--request-deadline-seconds", "-inf"],
+    ["config", "show", "--key-retention-hours", "nan"],
+    ["config", "show", "--key-retention-hours", "1e300"],
+    ["worker", "--key-retention-hours", "inf"],
+    ["up", "--request-deadline-seconds", "NaN"],
+    ["serve", "--request-deadline-seconds", "nan"],
+    ["reconcile", "--grace-seconds", "nan"],
+    ["reconcile", "--grace-seconds", "inf"],
+    ["reconcile", "--grace-seconds", "1e300"],
+    ["ops", "holdtime", "--seconds", "nan"],
+])
+def test_a_number_that_is_not_finite_or_too_large_is_refused_with_exit_2(
+        folder: Path, args: list[str]) -> None:
+    """nan passes every bound of click's FloatRange (each comparison with it is false), and
+    inf or 1e300 overflowed the dates made from them: such a value is a usage error, exit
+    2, naming the option, before anything starts (no data directory is made)."""
+    data = folder / "data"
+    result = CliRunner().invoke(main, [*args, "--data-dir", str(data)]
+                                if args[0] not in ("config",) else args)
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{args[-2]}'" in result.output, result.output
+    assert ("is not a finite number" in result.output
+            or "is not in the range" in result.output), result.output
+    assert not data.exists()
 
 
 def test_an_unreadable_file_is_a_message_with_exit_2(folder: Path) -> None:

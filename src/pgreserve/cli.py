@@ -626,7 +626,8 @@ def doctor(database_url: str | None, data_dir: str | None, as_json: bool, pool_s
 @with_db
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--tenant", "tenant_id", type=int, default=None, help="Only this tenant id.")
-@click.option("--grace-seconds", default=60.0, show_default=True, type=click.FloatRange(0),
+@click.option("--grace-seconds", default=60.0, show_default=True,
+              type=settings.FiniteFloatRange(0, 366 * 86400),
               help="An active reservation this long past its expiry is a drift.")
 @click.option("--repair", is_flag=True,
               help="Repair the drifts that have a safe repair (overdue holds are expired "
@@ -807,7 +808,8 @@ def ops() -> None:
 
 @ops.command("holdtime")
 @with_db
-@click.option("--seconds", default=10.0, show_default=True, type=click.FloatRange(1, 86400),
+@click.option("--seconds", default=10.0, show_default=True,
+              type=settings.FiniteFloatRange(1, 86400),
               help="Sample for this long (once a second), then print.")
 @click.option("--all-databases", is_flag=True, help="Every database, not only this one.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")

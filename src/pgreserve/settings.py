@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import math
 import os
 import tomllib
 from collections.abc import Callable, Mapping
@@ -31,6 +32,24 @@ CONFIG_ENVVAR = "PGRESERVE_CONFIG"
 _FILE_META = "pgreserve.settings.file"
 _SOURCES_META = "pgreserve.settings.sources"
 _HIDDEN_META = "pgreserve.settings.hidden"
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click.FloatRange that also refuses nan, inf and -inf: a comparison with NaN is
+    always false, so FloatRange lets it through every bound."""
+
+    name = "float range"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
+# The longest a request key may be kept: 100 years (a longer one overflows dates).
+MAX_KEY_RETENTION_HOURS = 876_000.0
 
 
 class SettingsError(click.ClickException):
@@ -144,7 +163,7 @@ SPECS: tuple[Spec, ...] = (
     Spec("uds", ("--uds",), click.Path(dir_okay=False), None,
          "Listen on this Unix socket instead of --host/--port."),
     Spec("request_deadline_seconds", ("--request-deadline-seconds",),
-         click.FloatRange(0.1, 600), 5.0,
+         FiniteFloatRange(0.1, 600), 5.0,
          "Every request's deadline: the wait for a connection, the transaction's "
          "statement_timeout and every retry fit inside it (past it: 503 busy, not run)."),
     Spec("tenant_max_in_flight", ("--tenant-max-in-flight",), click.IntRange(0, 1_000_000), 0,
@@ -196,7 +215,8 @@ SPECS: tuple[Spec, ...] = (
          "Append the request log to this file instead of stderr."),
     Spec("request_log_format", ("--request-log-format",), _FORMAT, None,
          "Format of the request log alone (default: --log-format)."),
-    Spec("key_retention_hours", ("--key-retention-hours",), click.FloatRange(min=1.0), 24.0,
+    Spec("key_retention_hours", ("--key-retention-hours",),
+         FiniteFloatRange(1.0, MAX_KEY_RETENTION_HOURS), 24.0,
          "Keep Idempotency-Keys at least this long before the janitor forgets them."),
     Spec("legacy_redis_url", ("--legacy-redis-url",), str, None,
          "redis:// URL of the legacy hold store to roll out beside (see `pgreserve "
