@@ -259,3 +259,51 @@ async def test_one_requests_key_lock_wait_does_not_fail_its_batch_mates(
         assert not bad, f"buyers failed by another request's key wait: {bad!r}"
         assert all(not isinstance(x, BaseException) and x.held for x in results)
 
+
+
+@pytest.mark.parametrize(("strategy", "batching"), [
+    ("row", True), ("pool", True), ("row", False)], ids=["row", "pool", "row-unbatched"])
+async def test_a_line_lock_of_another_bucket_does_not_fail_its_batch_mates(
+        dsn: str, batching: bool, strategy: str) -> None:
+    """Reservation x was taken on s by this process, which remembers s as its bucket;
+    another process moved its cart to bucket q, and x expired. A shop's open transaction
+    (conn=) takes q's one unit: its take gives x's expired line up and keeps that line
+    locked, not x itself. A claim of x, routed to s, queues with three buyers of s. The
+    claim's wait for the line is its own (sent alone); its batch mates are held, as
+    unbatched. (Unbatched, a pool bucket's buyers take units without its row: the
+    harness, which holds the row, measures the row strategy there.)"""
+    settings = TxSettings(lock_timeout_ms=1000)
+    async with Database(dsn, settings=settings) as small, Database(dsn) as other_db:
+        svc = ReservationService(small, batching=batching)
+        other = ReservationService(other_db, batching=False)
+        tenant = (await svc.create_tenant(f"line-wait-{strategy}")).id
+        await svc.set_stock(tenant, SKU, LOC, 10, strategy=strategy)
+        await svc.set_stock(tenant, "q", LOC, 1, strategy=strategy)
+        x = await svc.reserve(tenant, "x", [(SKU, LOC, 1)], ttl=1)
+        assert x.held and x.reservation is not None
+        rid = x.reservation.id
+        assert (await other.change(tenant, rid, [("q", LOC, 1)], request_key="move")).held
+        await asyncio.sleep(1.2)  # x expires, on q
+        bucket = await bucket_id(small, tenant, SKU)
+        async with await psycopg.AsyncConnection.connect(dsn) as shop, shop.transaction():
+            assert (await other.reserve(tenant, "shop", [("q", LOC, 1)], conn=shop)).held
+            with bucket_locked(dsn, bucket) as blocker:
+                first = asyncio.ensure_future(svc.reserve(tenant, "first", [(SKU, LOC, 1)]))
+                await waiters(dsn, 1)
+                claim = asyncio.ensure_future(svc.claim(tenant, rid))
+                await queued(svc, tenant, bucket, 1, dsn, 2)
+                buyers = [asyncio.ensure_future(svc.reserve(tenant, f"b{i}",
+                                                            [(SKU, LOC, 1)]))
+                          for i in range(3)]
+                if batching:
+                    await queued(svc, tenant, bucket, 4)
+                blocker.rollback()
+            assert (await first).held
+            results = await asyncio.gather(*buyers, return_exceptions=True)
+            claimed = (await asyncio.gather(claim, return_exceptions=True))[0]
+        bad = [x for x in results if isinstance(x, BaseException)]
+        assert not bad, f"buyers failed by another request's line wait: {bad!r}"
+        assert all(not isinstance(x, BaseException) and x.held for x in results)
+        # the claim waited for the shop's lock of x's line, alone
+        assert isinstance(claimed, Busy), claimed
+        assert await svc.invariant_violations() == []

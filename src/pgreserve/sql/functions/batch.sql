@@ -69,6 +69,8 @@ DECLARE
     r_held boolean[];
     r_line integer[];
     r_backordered integer[];
+    r_locked integer[];       -- how many of its lines this batch locked
+    v_line_ids uuid[];        -- the lines locked, by their reservation's id
     -- stored outcomes by key (grows as the batch decides: a repeat replays)
     k_keys text[];
     k_ops text[];
@@ -176,14 +178,22 @@ BEGIN
               FOR UPDATE SKIP LOCKED) r;  -- none: array_agg is NULL, || keeps r_*
     END IF;
     IF r_ids IS NOT NULL THEN
-        PERFORM 1 FROM reservation_line
-        WHERE tenant_id = p_tenant AND reservation_id = ANY (r_ids)
-        ORDER BY reservation_id, line_no
-        FOR UPDATE;
+        -- Their lines, without waiting either: a line another transaction holds
+        -- (a take giving an expired hold up, a caller's open transaction, on this
+        -- bucket or on the one a changed cart moved to) makes its reservation's
+        -- claim or release the batch's stop and its expiry skipped, below; waited
+        -- for here, the lock would hold every request of the batch.
+        SELECT array_agg(reservation_id) INTO v_line_ids
+        FROM (SELECT reservation_id FROM reservation_line
+              WHERE tenant_id = p_tenant AND reservation_id = ANY (r_ids)
+              ORDER BY reservation_id, line_no
+              FOR UPDATE SKIP LOCKED) x;
         SELECT array_agg(coalesce(l.lines, 0) ORDER BY u.n), array_agg(l.bucket ORDER BY u.n),
                array_agg(l.qty ORDER BY u.n), array_agg(l.held ORDER BY u.n),
-               array_agg(l.line_no ORDER BY u.n), array_agg(l.backordered ORDER BY u.n)
-        INTO r_lines, r_bucket, r_qty, r_held, r_line, r_backordered
+               array_agg(l.line_no ORDER BY u.n), array_agg(l.backordered ORDER BY u.n),
+               array_agg((SELECT count(*)::integer FROM unnest(v_line_ids) AS x(id)
+                          WHERE x.id = u.id) ORDER BY u.n)
+        INTO r_lines, r_bucket, r_qty, r_held, r_line, r_backordered, r_locked
         FROM unnest(r_ids) WITH ORDINALITY AS u(id, n)
         LEFT JOIN LATERAL (
             SELECT count(*)::integer AS lines, min(bucket_id) AS bucket,
@@ -372,6 +382,15 @@ BEGIN
         ELSIF j IS NULL THEN
             v_out[i] := jsonb_build_object(
                 'error', 'PR410', 'message', format('unknown reservation %s', p_ids[i]));
+            CONTINUE;
+        ELSIF r_locked[j] < r_lines[j] THEN
+            -- a line of it is another transaction's (above)
+            IF p_kinds[i] = 'expire' THEN
+                v_out[i] := '{"skipped": true}';
+            ELSE
+                v_out[i] := '{"retry": true}';
+                v_stop := true;
+            END IF;
             CONTINUE;
         END IF;
         -- (a changed cart's one line may have another number than 1: it goes
