@@ -319,3 +319,23 @@ def test_a_malformed_legacy_redis_url_is_refused_before_anything_starts(
     assert result.returncode == 2, result.stderr
     assert "--legacy-redis-url" in result.stderr and "Traceback" not in result.stderr
     assert list(short_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [
+    ("tenant", "key", "list", "bad\udcff"),
+    ("freeze", "list", "--tenant", "\udcff"),
+    ("rollout", "set", "\udcff", "shadow"),
+    ("rollout", "report", "--tenant", "\udcff"),
+    ("webhook", "add", "cli-bytes", "https://example.com/\udcff"),
+])
+def test_bytes_that_are_not_utf8_are_a_message_not_a_traceback(
+        dsn: str, command: tuple[str, ...]) -> None:
+    """A tenant name or webhook URL given as bytes that are not UTF-8 (the shell's
+    `$'\\xff'`; Python reads it as a lone surrogate) is the typed message, exit 1,
+    as for `tenant create`, not a traceback from the driver."""
+    assert pgr("tenant", "create", "cli-bytes", "--database-url", dsn).returncode in (0, 1)
+    result = pgr(*command, "--database-url", dsn)
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().startswith("Error: ")
+    assert "must be valid Unicode text" in result.stderr, result.stderr

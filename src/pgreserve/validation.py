@@ -333,6 +333,7 @@ def webhook_url(value: Any) -> str:
         raise InvalidRequest("url must be a string", field="url")
     if len(value) > MAX_URL:
         raise InvalidRequest(f"url must be at most {MAX_URL} characters", field="url")
+    _encodable(value, "url")
     if not _URL.fullmatch(value):
         raise InvalidRequest("url must be an http:// or https:// URL with a host (labels "
                              "of 1 to 63 characters, and no spaces)", field="url")

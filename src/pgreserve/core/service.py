@@ -409,6 +409,9 @@ class ReservationService:
             raise ApiKeyRefused()
 
     async def tenant_by_name(self, name: str) -> Tenant | None:
+        """The tenant of this name, None when there is none; a name no tenant can have
+        (empty, too long, NUL, not Unicode text) is InvalidRequest."""
+        name = check.name(name, "tenant name")
         rows = await self.db.fetch(queries["tenant_find_by_name"], (name,),
                                    op=OPS["tenant_lookup"])
         return Tenant(int(rows[0][0]), name) if rows else None
