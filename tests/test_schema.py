@@ -239,8 +239,9 @@ def test_serve_worker_and_doctor_with_another_schema(pg_server: EmbeddedServer) 
 
 def test_a_schema_with_no_installation_is_refused_not_created(pg_server: EmbeddedServer) -> None:
     """A mistyped --schema (here `othr` beside an installation in `other`) is refused by
-    the commands that migrate on their way (tenant create, serve, rollout), naming the
-    command that creates it, and nothing is created; `migrate --schema othr` creates
+    the commands that migrate on their way (tenant create, serve, rollout) and those
+    that only read (ops bloat, reconcile, doctor), naming the command that creates it,
+    and nothing is created; `migrate --schema othr` creates
     it. The default schema is still created on first use."""
     dsn = _new_database(pg_server, "schema_cli_typo")
     assert pgr("migrate", "--database-url", dsn, "--schema", "other").returncode == 0
@@ -253,6 +254,12 @@ def test_a_schema_with_no_installation_is_refused_not_created(pg_server: Embedde
         assert "schema 'othr' holds no pgreserve installation" in result.stderr, result.stderr
         assert "pgreserve migrate --database-url" in result.stderr
         assert "--schema othr" in result.stderr and "Traceback" not in result.stderr
+    # the commands that only read refuse it too (ops bloat listed no partitions, exit 0)
+    for command in (("ops", "bloat"), ("reconcile",), ("doctor",)):
+        result = pgr(*command, *typo)
+        assert result.returncode == 1, (command, result)
+        said = result.stdout + result.stderr  # doctor: a failed finding, on stdout
+        assert "--schema othr" in said and "Traceback" not in said, (command, said)
     with psycopg.connect(dsn) as conn:
         assert conn.execute("SELECT to_regnamespace('othr')").fetchone() == (None,)
         assert conn.execute("SELECT to_regnamespace('pgreserve')").fetchone() == (None,)

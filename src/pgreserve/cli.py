@@ -861,6 +861,7 @@ def ops_bloat(database_url: str | None, data_dir: str | None, as_json: bool) -> 
             await monitor.close()
 
     with _dsn(database_url, data_dir) as dsn:
+        check_database(dsn)  # a schema with no installation: a message, not "no partitions"
         report = asyncio.run(go(dsn))
     if as_json:
         click.echo(json.dumps(report.as_json(), indent=2))
