@@ -31,7 +31,7 @@ from pgreserve.http import create_app
 from pgreserve.rollout import Mode, RedisHoldStore, Rollout, set_mode
 from pgreserve.rollout import report as reports
 from pgreserve.rollout.comparison import Comparison, Recorder, RolloutMetrics
-from redisserver import RedisServer
+from redisserver import RedisServer, free_port
 
 BIN = Path(sys.executable).parent / "pgreserve"
 _ns = itertools.count()
@@ -940,6 +940,24 @@ async def test_rollout_cli_bad_input_gives_a_message_not_a_traceback(db: Databas
                         check=False)
         assert bad.returncode != 0 and "Traceback" not in bad.stderr, bad.stderr
         assert said in bad.stderr.lower()
+
+
+async def test_rehearse_with_a_redis_that_does_not_answer_makes_no_tenant(
+        db: Database) -> None:
+    """`rollout rehearse` whose Redis does not answer (nothing listens on its port) exits 1
+    with a message, and leaves no scratch tenant (nor its stock) behind."""
+    async def tenants() -> int:
+        rows = await db.fetch("SELECT count(*) FROM tenant", ())
+        return int(rows[0][0])
+
+    before = await tenants()
+    port = free_port()  # nothing listens there
+    bad = await run(str(BIN), "rollout", "rehearse", "--legacy-redis-url",
+                    f"redis://127.0.0.1:{port}/0", "--buyers", "2",
+                    "--database-url", db.conninfo, check=False)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr
+    assert "did not answer" in bad.stderr and "no tenant was made" in bad.stderr
+    assert await tenants() == before
 
 
 async def test_shadow_claim_of_a_hold_redis_expired_sells_nothing_in_pgreserve(

@@ -255,11 +255,12 @@ def test_a_schema_with_no_installation_is_refused_not_created(pg_server: Embedde
         assert "pgreserve migrate --database-url" in result.stderr
         assert "--schema othr" in result.stderr and "Traceback" not in result.stderr
     # the commands that only read refuse it too (ops bloat listed no partitions, exit 0)
-    for command in (("ops", "bloat"), ("reconcile",), ("doctor",)):
-        result = pgr(*command, *typo)
-        assert result.returncode == 1, (command, result)
+    reading: tuple[str, ...]
+    for reading in (("ops", "bloat"), ("reconcile",), ("doctor",)):
+        result = pgr(*reading, *typo)
+        assert result.returncode == 1, (reading, result)
         said = result.stdout + result.stderr  # doctor: a failed finding, on stdout
-        assert "--schema othr" in said and "Traceback" not in said, (command, said)
+        assert "--schema othr" in said and "Traceback" not in said, (reading, said)
     with psycopg.connect(dsn) as conn:
         assert conn.execute("SELECT to_regnamespace('othr')").fetchone() == (None,)
         assert conn.execute("SELECT to_regnamespace('pgreserve')").fetchone() == (None,)

@@ -8,8 +8,11 @@ import secrets
 import time
 from dataclasses import dataclass
 
+from redis.exceptions import RedisError
+
 from ..core.service import ReservationService
 from ..domain import Tenant
+from ..errors import Busy
 from .modes import Mode, set_mode
 from .redis_store import RedisHoldStore
 from .router import Rollout
@@ -32,6 +35,12 @@ async def rehearse(service: ReservationService, redis_url: str, *, buyers: int =
     rollout = Rollout(service, RedisHoldStore(redis_url), mode_ttl_s=0)  # a bad URL: no tenant
     held = claimed = 0
     try:
+        try:
+            # before the scratch tenant is made: a Redis that does not answer leaves none
+            await rollout.store.redis.ping()
+        except (RedisError, OSError) as exc:
+            raise Busy(f"the legacy Redis store did not answer ({exc}); nothing was "
+                       "written, no tenant was made") from None
         tenant = await service.create_tenant(f"rehearsal-{secrets.token_hex(3)}")
         await service.set_stock(tenant.id, "hot", "rehearsal", stock)
         await rollout.store.set_stock(tenant.id, "hot", "rehearsal", stock)
