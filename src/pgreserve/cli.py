@@ -594,7 +594,8 @@ async def _run(dsn: str, *, http: bool, workers: bool, settings: Settings | None
 @with_db
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--pool-size", default=10, show_default=True, type=click.IntRange(1, 1000),
-              help="Connections per business-process pool (PGRESERVE_POOL_SIZE).")
+              envvar="PGRESERVE_POOL_SIZE",
+              help="Connections per business-process pool of each API process.")
 @click.option("--processes", default=1, show_default=True, type=click.IntRange(1, 256),
               help="API processes that will connect (serve --workers).")
 @pgbouncer_option

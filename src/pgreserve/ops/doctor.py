@@ -43,6 +43,69 @@ def _fix(statement: str, why: str = "") -> str:
     return statement + ";" + (f"  -- {why}" if why else "")
 
 
+# Where a session's value comes from (pg_settings.source), when it is a per-database or
+# per-role value (pg_db_role_setting), the winning one first. A role's value
+# (ALTER ROLE r SET) outranks the database's and ALTER SYSTEM; only a value of the
+# role in this database (ALTER ROLE r IN DATABASE d SET) outranks the role's.
+OVERRIDE_LEVELS = ("database user", "user", "database", "global")
+OVERRIDE_NAMES = {"database user": "the role's setting in this database",
+                  "user": "the role's setting", "database": "the database's setting",
+                  "global": "the setting of every role"}
+
+
+def _setting_name(name: str) -> sql.Composable:
+    """A setting's name as an identifier (a custom one, ext.name, in two parts)."""
+    return sql.Identifier(*name.split("."))
+
+
+def _placed_fix(conn: psycopg.Connection[tuple[Any, ...]], name: str, statement: str,
+                why: str = "", *, role_level: bool = False) -> str:
+    """The fix `statement` for setting `name`, made to work where the value comes from.
+
+    A value set per database or per role (pg_db_role_setting) outranks ALTER SYSTEM,
+    and one of the role in this database outranks ALTER ROLE: those that outrank the
+    fix's own level (ALTER ROLE when `role_level`, else ALTER SYSTEM) are reset
+    first, so the statement's value is the one a new session gets. A value from the
+    connection's options, or for ALTER SYSTEM the server's command line, is named."""
+    row = conn.execute(queries["setting_source"], (name,)).fetchone()
+    source = str(row[0]) if row else ""
+    outranking = ("database user",) if role_level else OVERRIDE_LEVELS
+    setting = _setting_name(name)
+    resets: list[str] = []
+    levels: list[str] = []
+    for level, database, role in conn.execute(queries["setting_override_list"],
+                                              {"name": name}).fetchall():
+        if level not in outranking:
+            continue
+        if level == "database user":
+            reset = sql.SQL(queries["database_role_setting_reset_fix"]).format(
+                sql.Identifier(role), sql.Identifier(database), setting)
+        elif level == "user":
+            reset = sql.SQL(queries["role_setting_reset_fix"]).format(
+                sql.Identifier(role), setting)
+        elif level == "database":
+            reset = sql.SQL(queries["database_setting_reset_fix"]).format(
+                sql.Identifier(database), setting)
+        else:
+            reset = sql.SQL(queries["every_role_setting_reset_fix"]).format(setting)
+        resets.append(reset.as_string(conn))
+        levels.append(OVERRIDE_NAMES[level])
+    notes: list[str] = []
+    if resets:
+        outranked = "the role's own setting" if role_level else "the server's (ALTER SYSTEM)"
+        notes.append(f"set by {' and '.join(levels)}, which outranks {outranked}: "
+                     "reset first")
+    if source == "client":
+        notes.append(f"the connection sets it (options=-c {name}=... in the database "
+                     "URL, or PGOPTIONS), which outranks all of these: remove it there")
+    elif source == "command line" and not role_level:
+        notes.append(f"the server's command line sets it (-c {name}=...), which "
+                     "outranks ALTER SYSTEM: remove it there and restart")
+    if why:
+        notes.append(why)
+    return _fix("; ".join([*resets, statement]), "; ".join(notes))
+
+
 def _ms(setting: str, unit: str | None) -> float:
     """A time setting in milliseconds (pg_settings gives value and unit)."""
     factor = {"ms": 1.0, "s": 1000.0, "min": 60000.0, None: 1.0}.get(unit, 1.0)
@@ -86,8 +149,9 @@ def diagnose(dsn: str, *, pool_size: int = 10, processes: int = 1,
             "idle_in_transaction_session_timeout",
             "fail" if ms == 0 else "warn" if ms > 60000 else "ok",
             "0 (disabled)" if ms == 0 else f"{ms:.0f}ms", "between 1s and 60s",
-            _fix(queries["idle_in_transaction_timeout_fix"],
-                 "a forgotten transaction must not hold locks and stop vacuum")))
+            _placed_fix(conn, "idle_in_transaction_session_timeout",
+                        queries["idle_in_transaction_timeout_fix"],
+                        "a forgotten transaction must not hold locks and stop vacuum")))
 
         for name, limit_ms, want in (("statement_timeout", 300000, "60s"),
                                      ("lock_timeout", 60000, "10s")):
@@ -98,10 +162,10 @@ def diagnose(dsn: str, *, pool_size: int = 10, processes: int = 1,
                 "fail" if ms == 0 else "warn" if ms > limit_ms else "ok",
                 "0 (unbounded)" if ms == 0 else f"{ms:.0f}ms",
                 f"non-zero, at most {limit_ms // 1000}s",
-                sql.SQL(queries["role_setting_fix"]).format(
-                    sql.Identifier(role), sql.Identifier(name), sql.Literal(want)
-                ).as_string(conn) + ";  -- the service sets a tighter limit per transaction; "
-                "this is the safety net for every other session"))
+                _placed_fix(conn, name, sql.SQL(queries["role_setting_fix"]).format(
+                    sql.Identifier(role), _setting_name(name), sql.Literal(want)
+                ).as_string(conn), "the service sets a tighter limit per transaction; "
+                    "this is the safety net for every other session", role_level=True)))
 
         # Durability: a hold, a sale or a stored "no" acknowledged to a client must
         # survive a crash of the server (docs/guarantees.md).
@@ -114,10 +178,12 @@ def diagnose(dsn: str, *, pool_size: int = 10, processes: int = 1,
                                      sql.Literal("on")).as_string(conn))):
             v = setting(name)
             found = v[0] if v else "?"
+            why = "an acknowledged hold, sale or refusal must survive a crash"
             out.append(Finding(
                 f"{name} (role {role})" if name == "synchronous_commit" else name,
                 "ok" if found in accepted else "fail", found, " or ".join(accepted),
-                _fix(fix, "an acknowledged hold, sale or refusal must survive a crash")))
+                _placed_fix(conn, name, fix, why, role_level=True)
+                if name == "synchronous_commit" else _fix(fix, why)))
 
         v = setting("autovacuum_naptime")
         s_ = _ms(*v) / 1000 if v else 60.0
@@ -174,7 +240,7 @@ def diagnose(dsn: str, *, pool_size: int = 10, processes: int = 1,
         v = setting("log_lock_waits")
         out.append(Finding(
             "log_lock_waits", "ok" if v and v[0] == "on" else "fail", v[0] if v else "?",
-            "on", _fix(queries["log_lock_waits_fix"])))
+            "on", _placed_fix(conn, "log_lock_waits", queries["log_lock_waits_fix"])))
 
         v = setting("log_min_duration_statement")
         ms = _ms(*v) if v else -1.0
@@ -183,15 +249,17 @@ def diagnose(dsn: str, *, pool_size: int = 10, processes: int = 1,
             "ok" if 0 < ms <= SLOW_STATEMENT_MS else "warn",
             "-1 (disabled)" if ms < 0 else "0 (every statement)" if ms == 0 else f"{ms:.0f}ms",
             f"between 1ms and {SLOW_STATEMENT_MS}ms",
-            _fix(queries["log_min_duration_statement_fix"],
-                 "slow statements show in the server log with their tag; 0 would log "
-                 "every statement of a sale")))
+            _placed_fix(conn, "log_min_duration_statement",
+                        queries["log_min_duration_statement_fix"],
+                        "slow statements show in the server log with their tag; 0 would "
+                        "log every statement of a sale")))
 
         v = setting("track_functions")
         out.append(Finding(
             "track_functions", "ok" if v and v[0] in ("pl", "all") else "warn",
             v[0] if v else "?", "pl",
-            _fix(queries["track_functions_fix"], "counts inline vs background pool refills")))
+            _placed_fix(conn, "track_functions", queries["track_functions_fix"],
+                        "counts inline vs background pool refills")))
 
         max_conn = int(required("max_connections"))
         reserved = 0

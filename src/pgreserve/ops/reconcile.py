@@ -3,8 +3,9 @@
 Per bucket it reads on_hand, free, the pool rows, the held units (and which of
 them belong to live, active reservations), and the movement ledger: claimed
 units (sale), restored units (restore) and the sum of every on_hand change
-(count + adjust + sale). Every drift is reported; nothing is bulk-reset. Only
-drifts with a safe repair through the service's own functions are repaired,
+(count + adjust + sale), and it checks every rule invariant_violations_v1 checks
+(each has its drift kinds, INVARIANT_RULES). Every drift is reported; nothing is
+bulk-reset. Only drifts with a safe repair through the service's own functions are repaired,
 and only with --repair; each repair is logged. With --freeze every bucket with
 a drift is frozen (no new holds; claims, releases and expiry go on) and stays
 frozen until an operator unfreezes it: the evidence is kept as it is.
@@ -30,6 +31,19 @@ REPAIR = Op("reconcile", "repair", "cli/reconcile")
 FREEZE = Op("reconcile", "freeze", "cli/reconcile")
 FROZEN_BY = "pgreserve reconcile --freeze"
 
+# Each rule of invariant_violations_v1 (sql/functions/stock.sql) and the drift kinds
+# reconcile reports it as, on the same bucket: reconcile checks all of them.
+INVARIANT_RULES: dict[str, frozenset[str]] = {
+    "accounting": frozenset({"overcommitted", "accounting"}),
+    "negative": frozenset({"negative"}),
+    "safety_in_pool": frozenset({"safety_in_pool"}),
+    "backorder": frozenset({"backorder_mismatch"}),
+    "pool_on_row_bucket": frozenset({"pool_on_row_bucket"}),
+    "ledger": frozenset({"ledger_mismatch"}),
+    "finished_but_held": frozenset({"finished_but_held"}),
+    "restore_count": frozenset({"restore_count"}),
+}
+
 
 @dataclass
 class BucketBook:
@@ -50,6 +64,8 @@ class BucketBook:
     safety_stock: int
     backorder_held: int  # backordered units of held lines: held, not on hand
     backorder_owed: int  # backordered units claimed and not yet received
+    held_backordered: int  # the backordered units of the bucket's held lines
+    reserved: int  # held units of lines not yet past their expiry
 
 
 @dataclass(frozen=True)
@@ -135,6 +151,7 @@ def _check(dsn: str, tenant: int | None, grace_s: float, where: str) -> Reconcil
         orphans = conn.execute(queries["hold_orphan_list"], params).fetchall()
         finished = conn.execute(queries["hold_finished_list"], params).fetchall()
         overdue = conn.execute(queries["reservation_overdue_list"], params).fetchall()
+        restores = conn.execute(queries["restore_count_list"], params).fetchall()
         conn.execute(queries["transaction_commit"])
     names = {(b.tenant_id, b.bucket_id): f"{b.sku}@{b.location}" for b in out.books}
     for b in out.books:
@@ -161,6 +178,19 @@ def _check(dsn: str, tenant: int | None, grace_s: float, where: str) -> Reconcil
                 f"on_hand {b.on_hand} - shortfall {b.shortfall} - backorder_owed "
                 f"{b.backorder_owed} <> movement ledger (count + adjust + sale) "
                 f"{b.ledger_on_hand}", bucket_id=b.bucket_id))
+        # the bucket's count of backordered held units is its held lines' own
+        if b.backorder_held != b.held_backordered:
+            out.drifts.append(Drift(
+                "backorder_mismatch", b.tenant_id, where,
+                f"backorder_held {b.backorder_held} <> {b.held_backordered} backordered "
+                f"in held lines", bucket_id=b.bucket_id))
+        available = b.on_hand + b.backorder_held - b.reserved
+        if b.on_hand < 0 or b.free < 0 or b.reserved < 0 or available < 0:
+            out.drifts.append(Drift(
+                "negative", b.tenant_id, where,
+                f"on_hand {b.on_hand} free {b.free} reserved {b.reserved} backorder_held "
+                f"{b.backorder_held} available {available} (on_hand + backorder_held - "
+                f"reserved)", bucket_id=b.bucket_id))
         if b.pool > 0 and b.free < b.safety_stock:
             out.drifts.append(Drift(
                 "safety_in_pool", b.tenant_id, where,
@@ -180,6 +210,12 @@ def _check(dsn: str, tenant: int | None, grace_s: float, where: str) -> Reconcil
         out.drifts.append(Drift("finished_but_held", int(t), names.get((int(t), int(bucket))),
                                 f"reservation {rid} is {status} but line {line} still holds "
                                 f"{qty} unit(s)", bucket_id=int(bucket)))
+    for t, rid, line, bucket, status, is_held, n in restores:
+        want = ("none (held)" if is_held else "at most 1 (claimed)" if status == "claimed"
+                else "exactly 1")
+        out.drifts.append(Drift("restore_count", int(t), names.get((int(t), int(bucket))),
+                                f"reservation {rid} ({status}) line {line} has {n} restore "
+                                f"movement(s); want {want}", bucket_id=int(bucket)))
     for t, rid, expires_at in overdue:
         out.drifts.append(Drift("expired_but_active", int(t), None,
                                 f"reservation {rid} expired at {expires_at.isoformat()} and "

@@ -8,6 +8,31 @@ SELECT setting, unit FROM pg_settings WHERE name = %s;
 -- name: role_current
 SELECT current_user;
 
+-- name: setting_source
+-- Where this session's value comes from: 'database user', 'user', 'database' and
+-- 'global' are pg_db_role_setting's (ALTER ROLE / ALTER DATABASE ... SET), 'client'
+-- the connection's options, 'configuration file' ALTER SYSTEM or postgresql.conf.
+SELECT source FROM pg_settings WHERE name = %s;
+
+-- name: setting_override_list
+-- The per-database and per-role values of setting %(name)s that a new session of the
+-- current role on the current database gets (pg_db_role_setting), the winning one first:
+-- role in this database, role, database, every role (ALTER ROLE ALL).
+SELECT CASE WHEN s.setdatabase <> 0 AND s.setrole <> 0 THEN 'database user'
+            WHEN s.setrole <> 0 THEN 'user'
+            WHEN s.setdatabase <> 0 THEN 'database'
+            ELSE 'global' END AS level,
+       d.datname, r.rolname
+FROM pg_db_role_setting s
+LEFT JOIN pg_database d ON d.oid = s.setdatabase
+LEFT JOIN pg_roles r ON r.oid = s.setrole
+WHERE (s.setdatabase = 0 OR d.datname = current_database())
+  AND (s.setrole = 0 OR r.rolname = current_user)
+  AND EXISTS (SELECT 1 FROM unnest(s.setconfig) c
+              WHERE lower(split_part(c, '=', 1)) = lower(%(name)s))
+ORDER BY (s.setdatabase <> 0 AND s.setrole <> 0) DESC, (s.setrole <> 0) DESC,
+         (s.setdatabase <> 0) DESC;
+
 -- name: pool_partition_option_list
 -- The partitions of stock_unit in schema %s.
 SELECT c.relname, coalesce(array_to_string(c.reloptions, ','), '')
@@ -23,6 +48,19 @@ ALTER SYSTEM SET idle_in_transaction_session_timeout = '15s'; SELECT pg_reload_c
 -- name: role_setting_fix
 -- Role, setting name and value are composed in Python (psycopg.sql).
 ALTER ROLE {} SET {} = {};
+
+-- name: database_role_setting_reset_fix
+-- Role, database and setting name are composed in Python (psycopg.sql).
+ALTER ROLE {} IN DATABASE {} RESET {};
+
+-- name: role_setting_reset_fix
+ALTER ROLE {} RESET {};
+
+-- name: database_setting_reset_fix
+ALTER DATABASE {} RESET {};
+
+-- name: every_role_setting_reset_fix
+ALTER ROLE ALL RESET {};
 
 -- name: autovacuum_naptime_fix
 ALTER SYSTEM SET autovacuum_naptime = '1s'; SELECT pg_reload_conf();

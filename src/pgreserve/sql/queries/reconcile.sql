@@ -20,7 +20,14 @@ SELECT b.tenant_id, b.bucket_id, b.sku, b.location, b.strategy, b.on_hand, b.fre
        (SELECT coalesce(sum(m.quantity), 0) FROM stock_movement m
          WHERE m.tenant_id = b.tenant_id AND m.bucket_id = b.bucket_id
            AND m.kind IN ('count', 'adjust', 'sale')) AS ledger_on_hand,
-       b.safety_stock, b.backorder_held, b.backorder_owed
+       b.safety_stock, b.backorder_held, b.backorder_owed,
+       (SELECT coalesce(sum(l.backordered), 0) FROM reservation_line l
+         WHERE l.tenant_id = b.tenant_id AND l.bucket_id = b.bucket_id AND l.held)
+         AS held_backordered,
+       -- invariant_violations_v1's `reserved`: held lines not yet past their expiry
+       (SELECT coalesce(sum(l.quantity), 0) FROM reservation_line l
+         WHERE l.tenant_id = b.tenant_id AND l.bucket_id = b.bucket_id AND l.held
+           AND l.expires_at > clock_timestamp()) AS reserved
 FROM stock_bucket b
 WHERE %(tenant)s::bigint IS NULL OR b.tenant_id = %(tenant)s::bigint
 ORDER BY b.tenant_id, b.sku, b.location;
@@ -41,6 +48,24 @@ SELECT l.tenant_id, l.reservation_id::text, l.line_no, l.bucket_id, l.quantity, 
 FROM reservation_line l JOIN reservation r USING (tenant_id, reservation_id)
 WHERE l.held AND r.status <> 'active'
   AND (%(tenant)s::bigint IS NULL OR l.tenant_id = %(tenant)s::bigint);
+
+-- name: restore_count_list
+-- Lines whose restore records break the rule of invariant_violations_v1 (restore_count):
+-- a line given up without a claim has exactly one, a held line none, a claimed line at
+-- most one (claimed after its expiry had given the line up).
+SELECT l.tenant_id, l.reservation_id::text, l.line_no, l.bucket_id, r.status, l.held, m.n
+FROM reservation_line l
+JOIN reservation r USING (tenant_id, reservation_id)
+JOIN stock_bucket b ON b.tenant_id = l.tenant_id AND b.bucket_id = l.bucket_id
+CROSS JOIN LATERAL (
+    SELECT count(*) AS n FROM stock_movement m
+    WHERE m.tenant_id = l.tenant_id AND m.reservation_id = l.reservation_id
+      AND m.line_no = l.line_no AND m.kind = 'restore') m
+WHERE (%(tenant)s::bigint IS NULL OR l.tenant_id = %(tenant)s::bigint)
+  AND CASE WHEN l.held THEN m.n <> 0
+           WHEN r.status = 'claimed' THEN m.n > 1
+           ELSE m.n <> 1 END
+ORDER BY l.tenant_id, l.bucket_id, l.reservation_id, l.line_no;
 
 -- name: reconcile_overdue_cut
 -- The check's instant less the grace: a hold that expired by then is overdue.
