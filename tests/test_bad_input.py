@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
 
 from conftest import table_counts
-from pgreserve import ReservationService, Tenant
+from pgreserve import AllocatedLine, ReservationService, Tenant
 from pgreserve.errors import (
     InvalidRequest,
     PgReserveError,
     ReservationNotFound,
+    TenantNameTaken,
     UnknownStock,
     UnknownTenant,
 )
@@ -145,3 +147,98 @@ def test_every_error_has_a_stable_code() -> None:
                if isinstance(c, type) and issubclass(c, PgReserveError) and c is not PgReserveError]
     codes = [c.code for c in classes]
     assert len(codes) == len(set(codes))
+
+
+async def test_a_tenant_name_in_use_is_tenant_name_taken(
+        service: ReservationService, tenant: Tenant, dsn: str) -> None:
+    """create_tenant (and create_tenant_with_key) with a name another tenant has:
+    TenantNameTaken naming it, nothing written (it was the driver's UniqueViolation)."""
+    before = table_counts(dsn)
+    with pytest.raises(TenantNameTaken, match="already exists"):
+        await service.create_tenant(tenant.name)
+    with pytest.raises(TenantNameTaken, match="already exists"):
+        await service.create_tenant_with_key(tenant.name)
+    assert table_counts(dsn) == before
+
+
+@pytest.mark.parametrize("if_match", [3.5, 2.0, object(), b"\x01", True])
+async def test_an_if_match_that_is_no_version_is_invalid_request(
+        service: ReservationService, tenant: Tenant, dsn: str, if_match: Any) -> None:
+    """if_match is a version, versions or "*": anything else is InvalidRequest naming
+    it, nothing written (a float was a TypeError; bytes were read as versions)."""
+    await service.set_stock(tenant.id, "s", "w", 5)
+    before = table_counts(dsn)
+    with pytest.raises(InvalidRequest) as got:
+        await service.set_stock(tenant.id, "s", "w", 4, if_match=if_match)
+    assert got.value.details.get("field") == "if_match"
+    with pytest.raises(InvalidRequest):
+        await service.adjust_stock(tenant.id, "k", "s", "w", 1, if_match=if_match)
+    assert table_counts(dsn) == before
+
+
+@pytest.mark.parametrize("flag", ["false", "no", 1, 1.0, [0], None])
+async def test_a_force_that_is_not_true_or_false_is_refused_not_taken_as_true(
+        service: ReservationService, tenant: Tenant, dsn: str, flag: Any) -> None:
+    """force and create_only are True or False: "false" was taken as true, so a count
+    was forced below the held units and a shortfall written."""
+    await service.set_stock(tenant.id, "s", "w", 5)
+    assert (await service.reserve(tenant.id, "r", [("s", "w", 4)])).held
+    before = table_counts(dsn)
+    with pytest.raises(InvalidRequest, match="force must be true or false"):
+        await service.set_stock(tenant.id, "s", "w", 0, force=flag)
+    with pytest.raises(InvalidRequest, match="force must be true or false"):
+        await service.adjust_stock(tenant.id, "a", "s", "w", -5, force=flag)
+    with pytest.raises(InvalidRequest, match="create_only must be true or false"):
+        await service.set_stock(tenant.id, "new", "w", 1, create_only=flag)
+    assert table_counts(dsn) == before
+    stock = await service.get_stock(tenant.id, "s", "w")
+    assert (stock.on_hand, stock.shortfall) == (5, 0)
+
+
+async def test_split_false_on_a_line_naming_its_location_changes_nothing(
+        service: ReservationService, tenant: Tenant, dsn: str) -> None:
+    """docs/api.md: `"split": false` (the default) changes nothing on a line that names
+    a location, with or without an allocated line beside it; `true` there is refused."""
+    await service.set_stock(tenant.id, "s", "w", 10)
+    await service.set_stock(tenant.id, "c", "w", 10)
+    line = {"sku": "s", "location": "w", "quantity": 1, "split": False}
+    assert (await service.reserve(tenant.id, "mixed", [line, AllocatedLine("c", 1)])).held
+    assert (await service.reserve(tenant.id, "alone", [line])).held
+    before = table_counts(dsn)
+    for i, cart in enumerate(([{**line, "split": True}],
+                              [{**line, "split": True}, AllocatedLine("c", 1)])):
+        with pytest.raises(InvalidRequest, match="split applies only"):
+            await service.reserve(tenant.id, f"split-{i}", cart)
+    assert table_counts(dsn) == before
+
+
+BAD_CALLS: list[tuple[str, Any]] = [
+    ("events after a string", lambda s, t: s.events(t, after="abc")),
+    ("events after a 1-tuple", lambda s, t: s.events(t, after=(1,))),
+    ("events after an int", lambda s, t: s.events(t, after=5)),
+    ("invariant_violations of a string", lambda s, t: s.invariant_violations("abc")),
+    ("refill of strings", lambda s, t: s.refill("x", "y")),
+    ("refill of a tenant past bigint", lambda s, t: s.refill(2**70, 1)),
+    ("refill_candidates of strings", lambda s, t: s.refill_candidates("x", "y")),
+    ("refill_candidates with a negative limit", lambda s, t: s.refill_candidates(0.5, -1)),
+    ("refill_candidates with low water 2", lambda s, t: s.refill_candidates(2.0, 10)),
+    ("purge keeping past the timestamp range",
+     lambda s, t: s.purge_request_keys(timedelta(days=999_999_999))),
+    ("tenant_for_api_key of None", lambda s, t: s.tenant_for_api_key(None)),
+    ("tenants_for_api_key_hashes of None", lambda s, t: s.tenants_for_api_key_hashes(None)),
+    ("tenants_for_api_key_hashes of strings",
+     lambda s, t: s.tenants_for_api_key_hashes(["abc"])),
+    ("list_stock with an int for skus", lambda s, t: s.list_stock(t, skus=5)),
+]
+
+
+@pytest.mark.parametrize(("label", "call"), BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+async def test_bad_input_to_a_public_method_is_invalid_request(
+        service: ReservationService, tenant: Tenant, dsn: str, label: str, call: Any) -> None:
+    """Bad input to the workers' and admins' methods is InvalidRequest with a message and
+    writes nothing (it was a ValueError, TypeError or AttributeError, a driver error, or
+    for refill(2**70, 1) DatabaseNotMigrated telling the caller to migrate)."""
+    before = table_counts(dsn)
+    with pytest.raises(InvalidRequest):
+        await call(service, tenant.id)
+    assert table_counts(dsn) == before

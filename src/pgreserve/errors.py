@@ -27,6 +27,12 @@ class UnknownTenant(PgReserveError):
     code = "unknown_tenant"
 
 
+class TenantNameTaken(PgReserveError):
+    """Another tenant has this name already; nothing was created."""
+
+    code = "tenant_name_taken"
+
+
 # What every refusal of an API key says, whoever refuses it (the HTTP layer, the service,
 # the batch function in sql/functions/batch.sql): an unknown key and a revoked one alike.
 UNKNOWN_API_KEY = "unknown API key"

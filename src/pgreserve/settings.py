@@ -26,6 +26,7 @@ from click.core import ParameterSource
 from .config import mask_password
 from .db.schema import DEFAULT_SCHEMA
 from .schema_cli import use_option
+from .validation import MAX_KEY_RETENTION_HOURS
 
 CONFIG_ENVVAR = "PGRESERVE_CONFIG"
 # ctx.meta keys: the parsed file, and where each setting came from
@@ -46,10 +47,6 @@ class FiniteFloatRange(click.FloatRange):
         if not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number.", param, ctx)
         return number
-
-
-# The longest a request key may be kept: 100 years (a longer one overflows dates).
-MAX_KEY_RETENTION_HOURS = 876_000.0
 
 
 class SettingsError(click.ClickException):

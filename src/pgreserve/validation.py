@@ -27,6 +27,9 @@ from .domain import (
 )
 from .errors import InvalidRequest
 
+# The longest a request key may be kept: 100 years (a longer one overflows dates).
+MAX_KEY_RETENTION_HOURS = 876_000.0
+
 
 def name(value: Any, field: str) -> str:
     if not isinstance(value, str):
@@ -188,7 +191,11 @@ def cart(lines: Iterable[Any]) -> list[Line]:
         if isinstance(raw, Line):
             sku, loc, qty = raw.sku, raw.location, raw.quantity
         elif isinstance(raw, dict):
-            unknown = set(raw) - {"sku", "location", "quantity"}
+            if "split" in raw and raw["split"] is not False:
+                # (false, the default, changes nothing on a line that names its location)
+                raise InvalidRequest(f"line {i + 1} names a location: split applies only "
+                                     "to a line without one", field="split")
+            unknown = set(raw) - {"sku", "location", "quantity", "split"}
             if unknown:
                 raise InvalidRequest(f"line {i + 1} has unknown fields: {sorted(unknown)}")
             sku, loc, qty = raw.get("sku"), raw.get("location"), raw.get("quantity")

@@ -62,6 +62,7 @@ from ..errors import (
     PreconditionFailed,
     RequestNotFound,
     ReservationNotFound,
+    TenantNameTaken,
     UnknownStock,
     WebhookNotFound,
 )
@@ -187,8 +188,18 @@ def _preconditions(if_match: IfMatch) -> tuple[list[int] | None, bool | None]:
             raise InvalidRequest('if_match must be a version, versions or "*"',
                                  field="if_match")
         return None, True
-    values = [if_match] if isinstance(if_match, int) else list(if_match)
+    if isinstance(if_match, int):
+        values: list[Any] = [if_match]
+    elif isinstance(if_match, Iterable) and not isinstance(if_match, (bytes, bytearray)):
+        values = list(if_match)
+    else:
+        raise InvalidRequest('if_match must be a version, versions or "*"', field="if_match")
     return [check.integer(v, "if_match", 1, 2**63 - 1) for v in values], True
+
+
+def _name_taken(name: str) -> TenantNameTaken:
+    return TenantNameTaken(f"tenant {name!r} already exists; nothing was created",
+                           name=name)
 
 
 def _raise_if_precondition_failed(doc: dict[str, Any], sku: str, location: str) -> None:
@@ -340,19 +351,26 @@ class ReservationService:
     # -- tenants -------------------------------------------------------------
 
     async def create_tenant(self, name: str) -> Tenant:
+        """A new tenant; TenantNameTaken when another has the name."""
         name = check.name(name, "tenant name")
-        row = await self.db.call(
-            queries["tenant_create"], (name,),
-            op=OPS["tenant_create"])
+        try:
+            row = await self.db.call(
+                queries["tenant_create"], (name,),
+                op=OPS["tenant_create"])
+        except psycopg.errors.UniqueViolation:
+            raise _name_taken(name) from None
         return Tenant(int(row), name)
 
     async def create_tenant_with_key(self, name: str) -> tuple[Tenant, str]:
         """Create a tenant and its first API key; return both (the key is shown only once)."""
         name = check.name(name, "tenant name")
         key = apikeys.new_key()
-        row = await self.db.call(queries["tenant_create_with_key"],
-                                 (name, apikeys.hash_key(key), apikeys.shown_prefix(key)),
-                                 op=OPS["tenant_create"])
+        try:
+            row = await self.db.call(queries["tenant_create_with_key"],
+                                     (name, apikeys.hash_key(key), apikeys.shown_prefix(key)),
+                                     op=OPS["tenant_create"])
+        except psycopg.errors.UniqueViolation:
+            raise _name_taken(name) from None
         return Tenant(int(row), name), key
 
     async def create_api_key(self, tenant: int) -> str:
@@ -387,6 +405,8 @@ class ReservationService:
 
     async def tenant_for_api_key(self, key: str) -> int | None:
         """The tenant an unrevoked API key belongs to, or None."""
+        if not isinstance(key, str):
+            raise InvalidRequest("an API key must be a string", field="api_key")
         if not apikeys.plausible(key):
             return None
         digest = apikeys.hash_key(key)
@@ -395,7 +415,12 @@ class ReservationService:
     async def tenants_for_api_key_hashes(self, hashes: Sequence[bytes]) -> dict[bytes, int]:
         """The tenants of the unrevoked API keys among these hashes (apikeys.hash_key), in
         one read; a hash that names no such key is left out."""
-        rows = await self.db.fetch(queries["api_key_authenticate_many"], (list(hashes),),
+        if isinstance(hashes, (bytes, bytearray, str)) or not isinstance(hashes, Iterable):
+            raise InvalidRequest("hashes must be a list of bytes", field="hashes")
+        wanted = list(hashes)
+        if not all(isinstance(h, bytes) for h in wanted):
+            raise InvalidRequest("hashes must be a list of bytes", field="hashes")
+        rows = await self.db.fetch(queries["api_key_authenticate_many"], (wanted,),
                                    op=OPS["authenticate"])
         return {bytes(digest): int(tenant) for digest, tenant in rows}
 
@@ -447,6 +472,8 @@ class ReservationService:
             safety_stock = check.integer(safety_stock, "safety_stock", 0, MAX_ON_HAND)
         if backorder_limit is not None:
             backorder_limit = check.integer(backorder_limit, "backorder_limit", 0, MAX_ON_HAND)
+        force = check.flag(force, "force")
+        create_only = check.flag(create_only, "create_only")
         versions, exists = _preconditions(if_match)
         if create_only:
             if if_match is not None:
@@ -488,6 +515,7 @@ class ReservationService:
         sku, location = check.name(sku, "sku"), check.name(location, "location")
         delta = check.integer(delta, "delta", -MAX_ON_HAND, MAX_ON_HAND)
         reason = check.text(reason, "reason", 1000)
+        force = check.flag(force, "force")
         versions, _ = _preconditions(if_match)
         fingerprint = digest("adjust", {"sku": sku, "location": location, "delta": delta,
                                         "reason": reason, "force": bool(force)})
@@ -514,7 +542,7 @@ class ReservationService:
         prefix = None if sku_prefix is None else check.name(sku_prefix, "sku_prefix")
         sku_list = None
         if skus is not None:
-            if isinstance(skus, str):
+            if isinstance(skus, str) or not isinstance(skus, Iterable):
                 raise InvalidRequest("skus must be a list of SKUs", field="skus")
             sku_list = sorted({check.name(x, "sku") for x in skus})
             if not 1 <= len(sku_list) <= MAX_STOCK_FILTER:
@@ -984,6 +1012,10 @@ class ReservationService:
 
     async def refill_candidates(self, low_water: float, limit: int) -> list[tuple[int, int]]:
         """Pool buckets under `low_water` x pool_cap with free stock, most depleted first."""
+        if (isinstance(low_water, bool) or not isinstance(low_water, (int, float))
+                or not 0.0 <= low_water <= 1.0):
+            raise InvalidRequest("low_water must be a number from 0 to 1", field="low_water")
+        limit = check.integer(limit, "limit", 1, 100_000)
         rows = await self.db.fetch(
             queries["pool_refill_candidate_list"],
             (low_water, limit), op=OPS["refill_candidates"],
@@ -996,6 +1028,8 @@ class ReservationService:
         A bucket this process is batching right now gets its refill in its next
         batch (after that batch's holds), instead of a transaction of its own
         that would only find the bucket locked."""
+        tenant = check.tenant_id(tenant)
+        bucket_id = check.integer(bucket_id, "bucket_id", 1, 2**63 - 1)
         started = perf_counter()
         combiner = self.combiner
         if combiner is not None and combiner.busy(tenant, bucket_id):
@@ -1010,8 +1044,9 @@ class ReservationService:
 
     async def purge_request_keys(self, keep: timedelta, batch: int = 1000) -> int:
         """Forget request keys older than `keep` (at most `batch` per transaction)."""
-        if not isinstance(keep, timedelta) or keep < timedelta(0):
-            raise InvalidRequest("keep must be a non-negative duration", field="keep")
+        if (not isinstance(keep, timedelta) or keep < timedelta(0)
+                or keep > timedelta(hours=check.MAX_KEY_RETENTION_HOURS)):
+            raise InvalidRequest("keep must be a duration from 0 to 100 years", field="keep")
         batch = check.integer(batch, "batch", 1, 100_000)
         return int(await self.db.call(queries["request_key_purge"],
                                       (keep, batch, self.clock()),
@@ -1031,6 +1066,8 @@ class ReservationService:
         op = op or OPS["events"]
         tenant = check.tenant_id(tenant)
         limit = check.integer(limit, "limit", 1, 1000)
+        if after is not None and not (isinstance(after, tuple) and len(after) == 2):
+            raise InvalidCursor("after must be an (xid, event_id) cursor", field="after")
         xid, event_id = after if after is not None else (0, 0)
         check.integer(xid, "cursor", 0, 2**63 - 1)
         check.integer(event_id, "cursor", 0, 2**63 - 1)
@@ -1087,6 +1124,8 @@ class ReservationService:
 
     async def invariant_violations(self, tenant: int | None = None) -> list[Violation]:
         """Every breach of the accounting rules (empty when all hold)."""
+        if tenant is not None:
+            tenant = check.tenant_id(tenant)
         rows = await self.db.fetch(
             queries["invariant_violation_list"],
             (tenant, self.clock()), op=OPS["invariants"],
