@@ -75,6 +75,7 @@ async def test_unknown_tenant_is_typed_and_writes_nothing(
         service.get_stock(999, "s", "w"),
         service.claim(999, "00000000-0000-0000-0000-000000000001"),
         service.get_reservation(999, "00000000-0000-0000-0000-000000000001"),
+        service.webhooks(999),
     ]
     for call in calls:
         with pytest.raises(UnknownTenant):

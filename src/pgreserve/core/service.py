@@ -1103,6 +1103,8 @@ class ReservationService:
         rows = await self.db.fetch(
             queries["webhook_list"], (tenant,), op=OPS["webhook_list"],
         )
+        if not rows:
+            await self._require_tenant(tenant)  # none, or no such tenant (UnknownTenant)
         return [Webhook(int(r[0]), r[1], r[2], int(r[3]), int(r[4]), r[5], r[6], r[7], r[8])
                 for r in rows]
 
