@@ -206,8 +206,9 @@ async def test_split_false_on_a_line_naming_its_location_changes_nothing(
     assert (await service.reserve(tenant.id, "mixed", [line, AllocatedLine("c", 1)])).held
     assert (await service.reserve(tenant.id, "alone", [line])).held
     before = table_counts(dsn)
-    for i, cart in enumerate(([{**line, "split": True}],
-                              [{**line, "split": True}, AllocatedLine("c", 1)])):
+    carts: list[list[Any]] = [[{**line, "split": True}],
+                              [{**line, "split": True}, AllocatedLine("c", 1)]]
+    for i, cart in enumerate(carts):
         with pytest.raises(InvalidRequest, match="split applies only"):
             await service.reserve(tenant.id, f"split-{i}", cart)
     assert table_counts(dsn) == before
