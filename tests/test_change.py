@@ -271,6 +271,40 @@ async def test_the_new_cart_obeys_cart_limits(
     assert await available(service, tenant.id, "a", "x") == 8
 
 
+async def test_a_limit_lowered_after_the_hold_refuses_only_a_change_that_adds_to_it(
+        service: ReservationService, tenant: Tenant, strategy: str, dsn: str) -> None:
+    """A cart held under a per-cart limit that was lowered since: the cart sent as it is
+    answers held and changes nothing, a change lowering the SKU goes on (while still over
+    the new limit), and only a change adding to the SKU is refused (cart_limit_exceeded,
+    stored, nothing changed). Another SKU is held to its limit as usual."""
+    for loc in ("w", "x"):
+        await service.set_stock(tenant.id, "a", loc, 10, strategy=strategy)
+    await service.set_stock(tenant.id, "b", "w", 10, strategy=strategy)
+    await service.set_cart_limit(tenant.id, "a", 5)
+    rid = (await service.reserve(tenant.id, "r1", [("a", "w", 3), ("a", "x", 2)])).reservation
+    assert rid is not None
+    await service.set_cart_limit(tenant.id, "a", 2)
+    await service.set_cart_limit(tenant.id, "b", 1)
+    same = await service.change(tenant.id, rid.id, [("a", "w", 3), ("a", "x", 2)],
+                                request_key="c1")
+    assert same.held, same
+    assert lines_of(dsn, rid.id) == [(1, "a@w", 3, True), (2, "a@x", 2, True)]
+    lower = await service.change(tenant.id, rid.id, [("a", "w", 1), ("a", "x", 3)],
+                                 request_key="c2")
+    assert lower.held, lower
+    more = await service.change(tenant.id, rid.id, [("a", "w", 2), ("a", "x", 3)],
+                                request_key="c3")
+    assert more.reason == "cart_limit_exceeded"
+    assert more.limited_lines == (LimitedLine("a", 2, 5),)
+    other = await service.change(tenant.id, rid.id, [("a", "w", 1), ("a", "x", 3),
+                                                     ("b", "w", 2)], request_key="c4")
+    assert other.reason == "cart_limit_exceeded"
+    assert other.limited_lines == (LimitedLine("b", 1, 2),)
+    assert sorted((sku, q) for _, sku, q, held in lines_of(dsn, rid.id) if held) == [
+        ("a@w", 1), ("a@x", 3)]
+    assert await service.invariant_violations() == []
+
+
 async def test_a_freeze_stops_what_a_change_takes_but_not_what_it_gives_back(
         service: ReservationService, tenant: Tenant, strategy: str, dsn: str) -> None:
     """A frozen bucket refuses a change that would take from it (bucket_frozen, stored,

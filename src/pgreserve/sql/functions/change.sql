@@ -81,7 +81,19 @@ BEGIN
     END IF;
 
     -- The new cart against the per-cart limits (each bucket row carries its SKU's).
-    SELECT cart_limit_refusal_v1(p_skus, p_quantities, array_agg(b.cart_limit ORDER BY u.ord))
+    -- A SKU the new cart has no more of than the reservation holds now is not held
+    -- to a limit lowered since the hold: the cart sent as it is, or lowered, goes on;
+    -- only a change adding to such a SKU is refused.
+    SELECT cart_limit_refusal_v1(p_skus, p_quantities, array_agg(
+               CASE WHEN (SELECT sum(n.q) FROM unnest(p_skus, p_quantities) AS n(s, q)
+                          WHERE n.s = u.sku)
+                         <= (SELECT coalesce(sum(l.quantity), 0)
+                             FROM reservation_line l
+                             JOIN stock_bucket lb ON lb.tenant_id = l.tenant_id
+                                                 AND lb.bucket_id = l.bucket_id
+                             WHERE l.tenant_id = p_tenant AND l.reservation_id = p_id
+                               AND lb.sku = u.sku)
+                    THEN NULL ELSE b.cart_limit END ORDER BY u.ord))
     INTO v_outcome
     FROM unnest(p_skus, p_locations) WITH ORDINALITY AS u(sku, loc, ord)
     JOIN stock_bucket b ON b.tenant_id = p_tenant AND b.sku = u.sku AND b.location = u.loc;
