@@ -484,17 +484,15 @@ BEGIN
                 END IF;
                 t_given_up := t_given_up || NOT r_held[j];
                 r_held[j] := false;
-                -- (a release past the hold's expiry records that expiry, as release_v1)
-                IF p_kinds[i] = 'expire' OR r_expires[j] <= v_now THEN
+                IF p_kinds[i] = 'expire' THEN
                     r_status[j] := 'expired';
                     r_expired[j] := v_now;
-                    t_kinds := t_kinds || 'expire'::text;
                 ELSE
                     r_status[j] := 'released';
                     r_released[j] := v_now;
-                    t_kinds := t_kinds || p_kinds[i];
                 END IF;
                 t_ids := t_ids || p_ids[i];
+                t_kinds := t_kinds || p_kinds[i];
                 t_qty := t_qty || v_q;
             END IF;
         END IF;

@@ -502,16 +502,6 @@ BEGIN
         RAISE EXCEPTION 'reservation % was claimed', p_id USING ERRCODE = 'PR424';
     ELSIF v_res.status IN ('released', 'expired') THEN
         RETURN reservation_view_v1(p_tenant, p_id, v_now);
-    ELSIF v_res.expires_at <= v_now THEN
-        -- past its expiry the hold already reads as expired (sweeper or not): the
-        -- release records that expiry, as the sweeper would, and answers expired
-        PERFORM reservation_give_back_v1(p_tenant, p_id, 'expired', v_now);
-        UPDATE reservation SET status = 'expired', expired_at = v_now
-        WHERE tenant_id = p_tenant AND reservation_id = p_id;
-        v_view := reservation_view_v1(p_tenant, p_id, v_now);
-        INSERT INTO outbox_event (tenant_id, type, payload)
-        VALUES (p_tenant, 'reservation.expired', v_view);
-        RETURN v_view;
     END IF;
     PERFORM reservation_give_back_v1(p_tenant, p_id, 'released', v_now);
     UPDATE reservation SET status = 'released', released_at = v_now
