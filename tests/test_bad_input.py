@@ -218,6 +218,7 @@ BAD_CALLS: list[tuple[str, Any]] = [
     ("events after a string", lambda s, t: s.events(t, after="abc")),
     ("events after a 1-tuple", lambda s, t: s.events(t, after=(1,))),
     ("events after an int", lambda s, t: s.events(t, after=5)),
+    ("events after a list of 3", lambda s, t: s.events(t, after=[1, 2, 3])),
     ("invariant_violations of a string", lambda s, t: s.invariant_violations("abc")),
     ("refill of strings", lambda s, t: s.refill("x", "y")),
     ("refill of a tenant past bigint", lambda s, t: s.refill(2**70, 1)),
@@ -244,3 +245,14 @@ async def test_bad_input_to_a_public_method_is_invalid_request(
     with pytest.raises(InvalidRequest):
         await call(service, tenant.id)
     assert table_counts(dsn) == before
+
+
+async def test_the_same_inputs_in_their_other_usual_shapes_are_accepted(
+        service: ReservationService, tenant: Tenant) -> None:
+    """The checks above refuse what is malformed, not the usual other shapes: an events
+    cursor as a list (read back from JSON), key hashes as bytearray, a large page."""
+    page = await service.events(tenant.id)
+    assert (await service.events(tenant.id, after=list(page.cursor))).events == ()
+    mutable: Any = bytearray(32)
+    assert await service.tenants_for_api_key_hashes([mutable]) == {}
+    assert await service.refill_candidates(0.5, 1_000_000) == []

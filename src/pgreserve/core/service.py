@@ -417,7 +417,7 @@ class ReservationService:
         one read; a hash that names no such key is left out."""
         if isinstance(hashes, (bytes, bytearray, str)) or not isinstance(hashes, Iterable):
             raise InvalidRequest("hashes must be a list of bytes", field="hashes")
-        wanted = list(hashes)
+        wanted = [bytes(h) if isinstance(h, bytearray) else h for h in hashes]
         if not all(isinstance(h, bytes) for h in wanted):
             raise InvalidRequest("hashes must be a list of bytes", field="hashes")
         rows = await self.db.fetch(queries["api_key_authenticate_many"], (wanted,),
@@ -1015,7 +1015,7 @@ class ReservationService:
         if (isinstance(low_water, bool) or not isinstance(low_water, (int, float))
                 or not 0.0 <= low_water <= 1.0):
             raise InvalidRequest("low_water must be a number from 0 to 1", field="low_water")
-        limit = check.integer(limit, "limit", 1, 100_000)
+        limit = check.integer(limit, "limit", 1, 2**31 - 1)
         rows = await self.db.fetch(
             queries["pool_refill_candidate_list"],
             (low_water, limit), op=OPS["refill_candidates"],
@@ -1054,7 +1054,7 @@ class ReservationService:
 
     # -- events ----------------------------------------------------------------
 
-    async def events(self, tenant: int, after: tuple[int, int] | None = None,
+    async def events(self, tenant: int, after: tuple[int, int] | Sequence[int] | None = None,
                      limit: int = 100, *, op: Op | None = None) -> EventPage:
         """This tenant's outbox events in commit order, after a (xid, event_id) cursor.
 
@@ -1066,7 +1066,7 @@ class ReservationService:
         op = op or OPS["events"]
         tenant = check.tenant_id(tenant)
         limit = check.integer(limit, "limit", 1, 1000)
-        if after is not None and not (isinstance(after, tuple) and len(after) == 2):
+        if after is not None and not (isinstance(after, (tuple, list)) and len(after) == 2):
             raise InvalidCursor("after must be an (xid, event_id) cursor", field="after")
         xid, event_id = after if after is not None else (0, 0)
         check.integer(xid, "cursor", 0, 2**63 - 1)
