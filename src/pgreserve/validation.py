@@ -191,11 +191,8 @@ def cart(lines: Iterable[Any]) -> list[Line]:
         if isinstance(raw, Line):
             sku, loc, qty = raw.sku, raw.location, raw.quantity
         elif isinstance(raw, dict):
-            if "split" in raw and raw["split"] is not False:
-                # (false, the default, changes nothing on a line that names its location)
-                raise InvalidRequest(f"line {i + 1} names a location: split applies only "
-                                     "to a line without one", field="split")
-            unknown = set(raw) - {"sku", "location", "quantity", "split"}
+            raw = _without_split(raw, i)
+            unknown = set(raw) - {"sku", "location", "quantity"}
             if unknown:
                 raise InvalidRequest(f"line {i + 1} has unknown fields: {sorted(unknown)}")
             sku, loc, qty = raw.get("sku"), raw.get("location"), raw.get("quantity")
@@ -216,6 +213,17 @@ def cart(lines: Iterable[Any]) -> list[Line]:
                 field="lines",
             )
     return parsed
+
+
+def _without_split(raw: dict[str, Any], i: int) -> dict[str, Any]:
+    """Line i + 1 (a dict that names its location) without its "split": false, the
+    default, changes nothing there; anything else is refused."""
+    if "split" not in raw:
+        return raw
+    if raw["split"] is not False:
+        raise InvalidRequest(f"line {i + 1} names a location: split applies only "
+                             "to a line without one", field="split")
+    return {k: v for k, v in raw.items() if k != "split"}
 
 
 def line_list(lines: Any) -> list[Any]:
@@ -248,12 +256,7 @@ def allocated_cart(lines: list[Any]) -> tuple[list[Line], list[AllocatedLine]]:
     split: Any
     for i, raw in enumerate(lines):
         if not _names_no_location(raw):
-            if isinstance(raw, dict) and "split" in raw:
-                if raw["split"] is not False:
-                    raise InvalidRequest(f"line {i + 1} names a location: split applies only "
-                                         "to a line without one", field="split")
-                raw = {k: v for k, v in raw.items() if k != "split"}
-            explicit.append(raw)
+            explicit.append(_without_split(raw, i) if isinstance(raw, dict) else raw)
             continue
         if isinstance(raw, AllocatedLine):
             sku, qty, split = raw.sku, raw.quantity, raw.split

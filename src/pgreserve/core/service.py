@@ -482,7 +482,7 @@ class ReservationService:
             exists = False
         doc = await self.db.call(
             queries["stock_set"],
-            (tenant, sku, location, on_hand, chosen.value if chosen else None, bool(force),
+            (tenant, sku, location, on_hand, chosen.value if chosen else None, force,
              pool_cap, versions, exists, safety_stock, backorder_limit, self.clock()),
             op=OPS["stock_set"],
         )
@@ -518,10 +518,10 @@ class ReservationService:
         force = check.flag(force, "force")
         versions, _ = _preconditions(if_match)
         fingerprint = digest("adjust", {"sku": sku, "location": location, "delta": delta,
-                                        "reason": reason, "force": bool(force)})
+                                        "reason": reason, "force": force})
         doc = await self.db.call(
             queries["stock_adjust"],
-            (tenant, key, fingerprint, sku, location, delta, reason, bool(force), versions,
+            (tenant, key, fingerprint, sku, location, delta, reason, force, versions,
              self.clock()),
             op=OPS["stock_adjust"],
         )
