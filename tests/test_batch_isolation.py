@@ -6,6 +6,7 @@ unbatched path does."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
@@ -46,6 +47,35 @@ async def queued(svc: ReservationService, tenant: int, bucket: int, n: int,
             return
         await asyncio.sleep(0.005)
     raise AssertionError("the requests never queued")
+
+
+async def waiter_then_three_buyers(
+        svc: ReservationService, dsn: str, tenant: int, bucket: int,
+        waiter: Callable[[], Awaitable[Any]], batching: bool) -> tuple[Any, list[Any]]:
+    """Behind a first reserve of `bucket` paused on its row, `waiter()` (a request whose
+    own lock another transaction holds) and then three buyers of the bucket queue (in one
+    batch when batching); the row is let go. The waiter's outcome and the buyers'
+    results, exceptions returned."""
+    with bucket_locked(dsn, bucket) as blocker:
+        first = asyncio.ensure_future(svc.reserve(tenant, "first", [(SKU, LOC, 1)]))
+        await waiters(dsn, 1)
+        waiting = asyncio.ensure_future(waiter())
+        await queued(svc, tenant, bucket, 1, dsn, 2)
+        buyers = [asyncio.ensure_future(svc.reserve(tenant, f"b{i}", [(SKU, LOC, 1)]))
+                  for i in range(3)]
+        if batching:
+            await queued(svc, tenant, bucket, 4)
+        blocker.rollback()
+    assert (await first).held
+    results = await asyncio.gather(*buyers, return_exceptions=True)
+    outcome = (await asyncio.gather(waiting, return_exceptions=True))[0]
+    return outcome, results
+
+
+def assert_all_held(results: list[Any], waited_for: str) -> None:
+    bad = [x for x in results if isinstance(x, BaseException)]
+    assert not bad, f"buyers failed by {waited_for}: {bad!r}"
+    assert all(not isinstance(x, BaseException) and x.held for x in results)
 
 
 @pytest.mark.parametrize("batching", [True, False], ids=["batched", "unbatched"])
@@ -204,23 +234,9 @@ async def test_one_requests_lock_wait_does_not_fail_its_batch_mates(
             changed = await svc.change(tenant, rid, [(SKU, LOC, 1), ("o", LOC, 1)],
                                        request_key="chg", conn=shop)
             assert changed.held
-            with bucket_locked(dsn, bucket) as blocker:
-                first = asyncio.ensure_future(svc.reserve(tenant, "first", [(SKU, LOC, 1)]))
-                await waiters(dsn, 1)
-                claim = asyncio.ensure_future(svc.claim(tenant, rid))
-                await queued(svc, tenant, bucket, 1, dsn, 2)
-                buyers = [asyncio.ensure_future(svc.reserve(tenant, f"b{i}",
-                                                            [(SKU, LOC, 1)]))
-                          for i in range(3)]
-                if batching:
-                    await queued(svc, tenant, bucket, 4)
-                blocker.rollback()
-            assert (await first).held
-            results = await asyncio.gather(*buyers, return_exceptions=True)
-            await asyncio.gather(claim, return_exceptions=True)
-        bad = [x for x in results if isinstance(x, BaseException)]
-        assert not bad, f"buyers failed by the claim's lock wait: {bad!r}"
-        assert all(not isinstance(x, BaseException) and x.held for x in results)
+            _, results = await waiter_then_three_buyers(
+                svc, dsn, tenant, bucket, lambda: svc.claim(tenant, rid), batching)
+        assert_all_held(results, "the claim's lock wait")
 
 
 @pytest.mark.parametrize("batching", [True, False], ids=["batched", "unbatched"])
@@ -241,23 +257,10 @@ async def test_one_requests_key_lock_wait_does_not_fail_its_batch_mates(
         bucket = await bucket_id(small, tenant, SKU)
         async with await psycopg.AsyncConnection.connect(dsn) as shop, shop.transaction():
             assert (await svc.reserve(tenant, "dup", [("o", LOC, 1)], conn=shop)).held
-            with bucket_locked(dsn, bucket) as blocker:
-                first = asyncio.ensure_future(svc.reserve(tenant, "first", [(SKU, LOC, 1)]))
-                await waiters(dsn, 1)
-                dup = asyncio.ensure_future(svc.reserve(tenant, "dup", [(SKU, LOC, 1)]))
-                await queued(svc, tenant, bucket, 1, dsn, 2)
-                buyers = [asyncio.ensure_future(svc.reserve(tenant, f"b{i}",
-                                                            [(SKU, LOC, 1)]))
-                          for i in range(3)]
-                if batching:
-                    await queued(svc, tenant, bucket, 4)
-                blocker.rollback()
-            assert (await first).held
-            results = await asyncio.gather(*buyers, return_exceptions=True)
-            await asyncio.gather(dup, return_exceptions=True)
-        bad = [x for x in results if isinstance(x, BaseException)]
-        assert not bad, f"buyers failed by another request's key wait: {bad!r}"
-        assert all(not isinstance(x, BaseException) and x.held for x in results)
+            _, results = await waiter_then_three_buyers(
+                svc, dsn, tenant, bucket,
+                lambda: svc.reserve(tenant, "dup", [(SKU, LOC, 1)]), batching)
+        assert_all_held(results, "another request's key wait")
 
 
 
@@ -287,23 +290,9 @@ async def test_a_line_lock_of_another_bucket_does_not_fail_its_batch_mates(
         bucket = await bucket_id(small, tenant, SKU)
         async with await psycopg.AsyncConnection.connect(dsn) as shop, shop.transaction():
             assert (await other.reserve(tenant, "shop", [("q", LOC, 1)], conn=shop)).held
-            with bucket_locked(dsn, bucket) as blocker:
-                first = asyncio.ensure_future(svc.reserve(tenant, "first", [(SKU, LOC, 1)]))
-                await waiters(dsn, 1)
-                claim = asyncio.ensure_future(svc.claim(tenant, rid))
-                await queued(svc, tenant, bucket, 1, dsn, 2)
-                buyers = [asyncio.ensure_future(svc.reserve(tenant, f"b{i}",
-                                                            [(SKU, LOC, 1)]))
-                          for i in range(3)]
-                if batching:
-                    await queued(svc, tenant, bucket, 4)
-                blocker.rollback()
-            assert (await first).held
-            results = await asyncio.gather(*buyers, return_exceptions=True)
-            claimed = (await asyncio.gather(claim, return_exceptions=True))[0]
-        bad = [x for x in results if isinstance(x, BaseException)]
-        assert not bad, f"buyers failed by another request's line wait: {bad!r}"
-        assert all(not isinstance(x, BaseException) and x.held for x in results)
+            claimed, results = await waiter_then_three_buyers(
+                svc, dsn, tenant, bucket, lambda: svc.claim(tenant, rid), batching)
+        assert_all_held(results, "another request's line wait")
         # the claim waited for the shop's lock of x's line, alone
         assert isinstance(claimed, Busy), claimed
         assert await svc.invariant_violations() == []
