@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from conftest import ApiTenant
 from pgbouncer import PgBouncer
-from pgreserve import Database
+from pgreserve import Database, ReservationService, Tenant
 from pgreserve.cli import main
 from pgreserve.db.embedded import EmbeddedServer
 from pgreserve.http.ops_app import create_ops_app
@@ -170,3 +170,41 @@ async def test_an_unreachable_pgbouncer_console_fails_doctor_and_zeroes_up(dsn: 
     report = await monitor.refresh()
     assert report.pools == ()
     assert registry.get_sample_value("pgreserve_pgbouncer_up") == 0
+
+
+def _prepared_on_server(url: str) -> list[str]:
+    """The prepared statements of the one server connection behind `url` (pool size 1)."""
+    with psycopg.connect(url, autocommit=True, prepare_threshold=None) as conn:
+        return [str(r[0]) for r in conn.execute("SELECT name FROM pg_prepared_statements")]
+
+
+async def test_the_tools_leave_no_prepared_statement_on_a_pgbouncer_server_connection(
+        service: ReservationService, tenant: Tenant, dsn: str,
+        tight_bouncer: PgBouncer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PgBouncer 1.18 in transaction pooling hands a server connection to the next client
+    with whatever the last one prepared on it. `reconcile --freeze` over 8 drifted
+    buckets runs its freeze 8 times on one connection; psycopg's default prepares it at
+    the 5th, so a second run through the bouncer failed halfway ("prepared statement
+    "_pg3_0" already exists") with 5 buckets frozen and a traceback. Every tool
+    connection now never prepares: both runs freeze all 8 and exit 1, and `migrate` (a
+    fresh schema: a dozen migration records) and `doctor` leave nothing prepared."""
+    t = tenant.id
+    for i in range(8):
+        await service.set_stock(t, f"s{i}", "wh", 10)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("UPDATE stock_bucket SET on_hand = on_hand + 1, free = free + 1")
+    name = str(psycopg.conninfo.conninfo_to_dict(dsn)["dbname"])
+    url = tight_bouncer.dsn(name)
+    for attempt in range(2):
+        out = CliRunner().invoke(main, ["reconcile", "--freeze", "--database-url", url])
+        assert out.exit_code == 1, (attempt, out.output, out.exception)
+        assert out.output.count("FROZE tenant") == 8, (attempt, out.output)
+        assert _prepared_on_server(url) == []
+    monkeypatch.setenv("PGRESERVE_SCHEMA", "pgreserve")  # --schema makes it the process's
+    out = CliRunner().invoke(main, ["migrate", "--schema", "elsewhere", "--database-url", url])
+    monkeypatch.setenv("PGRESERVE_SCHEMA", "pgreserve")
+    assert out.exit_code == 0, (out.output, out.exception)
+    assert _prepared_on_server(url) == []
+    out = CliRunner().invoke(main, ["doctor", "--json", "--database-url", url])
+    assert json.loads(out.output)["findings"], out.output
+    assert _prepared_on_server(url) == []

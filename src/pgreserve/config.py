@@ -11,6 +11,7 @@ from pathlib import Path
 import psycopg
 import psycopg.conninfo
 
+from .db.connect import connect
 from .db.embedded import DATABASE, DEFAULT_DATA_DIR, EmbeddedServer, _zombie, data_dir_from_env
 from .errors import DatabaseUnavailable, NoDatabase
 
@@ -75,7 +76,7 @@ def check_external(url: str) -> None:
         raise NoDatabase(f"--database-url / PGRESERVE_DATABASE_URL is not a PostgreSQL URL "
                          f"({mask_password(url)}): {_masked(exc, url)}") from None
     try:
-        with psycopg.connect(url, connect_timeout=CONNECT_TIMEOUT_S, autocommit=True):
+        with connect(url, connect_timeout=CONNECT_TIMEOUT_S):
             pass
     except psycopg.Error as exc:
         reason = " ".join(line.strip() for line in _masked(exc, url).splitlines()

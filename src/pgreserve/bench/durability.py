@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psycopg
-
+from ..db.connect import connect
 from ..db.queries import queries
 from .runner import with_commit_mode
 
@@ -87,7 +86,7 @@ class Durability:
 
 
 def _settings(dsn: str) -> tuple[str, str, str]:
-    with psycopg.connect(dsn, autocommit=True, application_name="pgreserve:bench-admin") \
+    with connect(dsn, application_name="pgreserve:bench-admin") \
             as conn:
         row = conn.execute(queries["durability_settings_read"]).fetchone()
     assert row is not None  # noqa: S101 - a SELECT of three settings returns a row

@@ -28,6 +28,7 @@ from typing import Any
 
 import psycopg
 
+from ..db.connect import connect_async
 from ..db.queries import queries
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -126,7 +127,7 @@ class ServerMeter:
 
     @classmethod
     async def open(cls, dsn: str) -> ServerMeter:
-        conn = await psycopg.AsyncConnection.connect(dsn, autocommit=True)
+        conn = await connect_async(dsn)
         cur = await conn.execute(queries["server_usage_read"])
         row = await cur.fetchone()
         if row is None:

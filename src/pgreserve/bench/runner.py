@@ -15,11 +15,11 @@ from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from ..core.service import ReservationService
 from ..db import schema as schemas
+from ..db.connect import connect_async
 from ..db.database import Database
 from ..db.queries import queries
 from ..errors import InvalidRequest
@@ -247,7 +247,7 @@ async def _settle_expiries(service: ReservationService, scenario: Scenario,
 async def _wait_backends_gone(dsn: str, timeout_s: float = 10.0) -> None:
     """Buyers' sessions flush their statistics when they exit: wait until they have."""
     deadline = time.monotonic() + timeout_s
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+    async with await connect_async(dsn) as conn:
         while time.monotonic() < deadline:
             cur = await conn.execute(queries["backend_count"], (BUYERS_APP,))
             row = await cur.fetchone()
@@ -273,7 +273,7 @@ async def _settled_snapshot(dsn: str, timeout_s: float = 3.0) -> DbSnapshot:
 
 async def _snapshot(dsn: str) -> DbSnapshot:
     """Dead and live tuples of the pool partitions, and the database's transaction counters."""
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+    async with await connect_async(dsn) as conn:
         cur = await conn.execute(queries["pool_partition_tuple_totals"], (schemas.resolve(),))
         dead, live, deleted, vacuums = (await cur.fetchone()) or (0, 0, 0, 0)
         cur = await conn.execute(queries["database_transaction_stats"])
@@ -285,7 +285,7 @@ async def _snapshot(dsn: str) -> DbSnapshot:
 async def _watch_dead_tuples(dsn: str, stop: asyncio.Event, every_s: float = 0.5) -> int:
     """The most dead tuples the pool partitions showed while the buyers ran (sampled)."""
     peak = 0
-    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+    async with await connect_async(dsn) as conn:
         while not stop.is_set():
             cur = await conn.execute(queries["pool_partition_dead_tuples"],
                                      (schemas.resolve(),))

@@ -746,7 +746,7 @@ async def _roll_back(conn: psycopg.AsyncConnection[Any]) -> None:
     if status == pq.TransactionStatus.ACTIVE:
         conn.pgconn.finish()
     elif status != pq.TransactionStatus.IDLE:
-        await conn.execute(queries["transaction_rollback"])
+        await conn.execute(queries["transaction_rollback"], prepare=False)
 
 
 def _connection_lost(exc: psycopg.errors.Error, state: str) -> bool:

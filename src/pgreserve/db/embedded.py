@@ -20,6 +20,7 @@ import psycopg
 from psycopg import sql
 
 from ..errors import NoDatabase
+from .connect import connect
 from .queries import queries
 
 if TYPE_CHECKING:
@@ -147,7 +148,7 @@ class EmbeddedServer:
         if self._tune():
             self._restart()
         admin = self.dsn("postgres")
-        with psycopg.connect(admin, autocommit=True) as conn:
+        with connect(admin) as conn:
             exists = conn.execute(queries["database_exists"], (DATABASE,)).fetchone()
             if not exists:
                 with contextlib.suppress(psycopg.errors.DuplicateDatabase):
@@ -176,7 +177,7 @@ class EmbeddedServer:
         text += "\n" + "\n".join(f"role.{k}={v}" for k, v in sorted(ROLE_SETTINGS.items()))
         if marker.exists() and marker.read_text() == text:
             return False
-        with psycopg.connect(self.dsn("postgres"), autocommit=True) as conn:
+        with connect(self.dsn("postgres")) as conn:
             for key, value in wanted.items():
                 conn.execute(_setting(queries["server_setting_set"], key, value))
             for key, value in ROLE_SETTINGS.items():

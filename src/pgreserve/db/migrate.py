@@ -27,6 +27,7 @@ from psycopg import sql
 
 from ..errors import DatabaseNotMigrated, DatabaseTooNew, MigrationError
 from . import schema as schemas
+from .connect import connect
 from .queries import queries
 
 # Any constant works: all runners of one database take the same lock.
@@ -137,7 +138,7 @@ def migrate_all(conninfo: str, *, target: int | None = None,
     if target is not None:
         files = [m for m in files if m.version <= target]
     done = Applied()
-    with psycopg.connect(conninfo, autocommit=True) as conn, conn.transaction():
+    with connect(conninfo) as conn, conn.transaction():
         conn.execute(queries["schema_lock"], (_LOCK_KEY,))
         conn.execute(sql.SQL(queries["schema_create"]).format(sql.Identifier(where)))
         conn.execute(sql.SQL(queries["schema_search_path"]).format(sql.Identifier(where)))
@@ -231,7 +232,7 @@ def _version() -> str:
 def applied_versions(conninfo: str, *,
                      schema: str | None = None) -> list[tuple[int, str, str]]:
     """The migrations applied in `schema` (default as `migrate`): version, name, checksum."""
-    with psycopg.connect(conninfo, autocommit=True) as conn, \
+    with connect(conninfo) as conn, \
             schemas.transaction(conn, schemas.resolve(schema)):
         exists = conn.execute(queries["schema_migration_table_exists"]).fetchone()
         if not exists or exists[0] is None:

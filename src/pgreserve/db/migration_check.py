@@ -23,6 +23,7 @@ import psycopg.conninfo
 from ..config import mask_password
 from ..errors import DatabaseNotMigrated
 from . import schema as schemas
+from .connect import connect
 from .embedded import DATABASE
 from .migrate import _check_applied, available, function_files
 from .queries import queries
@@ -110,7 +111,7 @@ def check_database(conninfo: str, schema: str | None = None) -> None:
     """`check` on the database `conninfo` names, over a connection of its own, for the
     installation in `schema`."""
     name = schemas.resolve(schema)
-    with psycopg.connect(conninfo, autocommit=True) as conn, schemas.transaction(conn, name):
+    with connect(conninfo) as conn, schemas.transaction(conn, name):
         migrations: list[Any] = []
         functions: list[Any] = []
         row = conn.execute(queries["schema_migration_table_exists"]).fetchone()

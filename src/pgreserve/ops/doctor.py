@@ -15,6 +15,7 @@ from psycopg import sql
 from ..db import migrate as migrations
 from ..db import migration_check
 from ..db import schema as schemas
+from ..db.connect import connect
 from ..db.queries import queries
 from ..errors import DatabaseNotMigrated, MigrationError
 from .pgbouncer import read_pgbouncer
@@ -123,7 +124,7 @@ def diagnose(dsn: str, *, pool_size: int = 10, processes: int = 1,
     out: list[Finding] = []
     if pgbouncer_admin_url:
         out.extend(diagnose_pgbouncer(pgbouncer_admin_url))
-    with psycopg.connect(dsn, autocommit=True, application_name="pgreserve:doctor") as conn:
+    with connect(dsn, application_name="pgreserve:doctor") as conn:
         def setting(name: str) -> tuple[str, str | None] | None:
             row = conn.execute(queries["setting_get"], (name,)).fetchone()
             return (str(row[0]), row[1]) if row else None

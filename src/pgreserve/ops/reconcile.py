@@ -18,9 +18,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-import psycopg
-
 from ..db import schema as schemas
+from ..db.connect import connect
 from ..db.database import Op, tagged
 from ..db.queries import queries
 from ..errors import UnknownTenant
@@ -116,7 +115,7 @@ def _freeze(dsn: str, found: Reconciliation, where: str) -> list[dict[str, Any]]
         if d.bucket_id is not None:
             kinds.setdefault((d.tenant_id, d.bucket_id), []).append(d)
     frozen: list[dict[str, Any]] = []
-    with psycopg.connect(dsn, autocommit=True, application_name="pgreserve:reconcile") as conn:
+    with connect(dsn, application_name="pgreserve:reconcile") as conn:
         for (tenant, bucket), drifts in sorted(kinds.items()):
             reason = ("reconcile found drift: "
                       + "; ".join(f"{d.kind}: {d.detail}" for d in drifts))[:1000]
@@ -135,7 +134,7 @@ def _freeze(dsn: str, found: Reconciliation, where: str) -> list[dict[str, Any]]
 def _check(dsn: str, tenant: int | None, grace_s: float, where: str) -> Reconciliation:
     params: dict[str, Any] = {"tenant": tenant, "grace": grace_s}
     out = Reconciliation()
-    with psycopg.connect(dsn, autocommit=True, application_name="pgreserve:reconcile") as conn:
+    with connect(dsn, application_name="pgreserve:reconcile") as conn:
         # One snapshot for every figure.
         conn.execute(queries["transaction_begin_snapshot"])
         conn.execute(schemas.search_path(where))
@@ -229,7 +228,7 @@ def _repair(dsn: str, found: Reconciliation, where: str, tenant: int | None) -> 
     sweeper's own function."""
     done: list[str] = []
     overdue = sum(1 for d in found.drifts if d.kind == "expired_but_active")
-    with psycopg.connect(dsn, autocommit=True, application_name="pgreserve:reconcile") as conn:
+    with connect(dsn, application_name="pgreserve:reconcile") as conn:
         total = 0
         for _ in range(max(1, overdue // 500 + 2)):  # bounded: one batch more than needed
             with schemas.transaction(conn, where):
