@@ -141,6 +141,33 @@ async def test_a_split_line_takes_what_each_location_has_in_priority_order(
     assert await service.invariant_violations(tenant.id) == []
 
 
+async def test_a_split_line_beside_an_explicit_line_takes_what_is_left_at_its_location(
+        service: ReservationService, tenant: Tenant, strategy: str) -> None:
+    """paris 10 and rome 5 (priority paris, rome; no backorder allowance): a cart of 2 at
+    paris and 9 split is held as 10 at paris (the 2 and 8 of the split) and 1 at rome.
+    Before, the split skipped paris whenever the cart named it, so this cart was retried
+    until its deadline (Busy: the one-snapshot check saw enough), and with rome 20 it was
+    held as 2 at paris and 9 at rome. Unsplit, the 9 go whole where they fit: rome."""
+    await stock(service, tenant, "tee", strategy, paris=10, rome=5)
+    await service.set_location_priority(tenant.id, ["paris", "rome"])
+    cart = [("tee", "paris", 2), AllocatedLine("tee", 9, split=True)]
+    out = await service.reserve(tenant.id, "k1", cart)
+    assert out.reservation is not None, out
+    assert out.reservation.lines == (Line("tee", "paris", 10), Line("tee", "rome", 1))
+    await service.release(tenant.id, out.reservation.id)
+    await service.set_stock(tenant.id, "tee", "rome", 20, strategy=strategy)
+    again = await service.reserve(tenant.id, "k2", cart)
+    assert again.reservation is not None, again
+    assert again.reservation.lines == (Line("tee", "paris", 10), Line("tee", "rome", 1))
+    await service.release(tenant.id, again.reservation.id)
+    whole = await service.reserve(tenant.id, "k3", [("tee", "paris", 2),
+                                                    AllocatedLine("tee", 9)])
+    assert whole.reservation is not None, whole
+    assert whole.reservation.lines == (Line("tee", "paris", 2), Line("tee", "rome", 9))
+    assert await available(service, tenant, "tee") == {"paris": 8, "rome": 11}
+    assert await service.invariant_violations(tenant.id) == []
+
+
 async def test_a_rejection_names_the_line_without_location_and_what_was_available(
         service: ReservationService, tenant: Tenant, strategy: str, dsn: str) -> None:
     """Unsplit, 5 units where no location has 5 is refused with available = the most one

@@ -251,8 +251,11 @@ BEGIN
                     ELSE
                         -- on hand S, on hand and allowance S + A: the allocated part
                         -- can have S less the explicit part the allowance cannot cover
+                        -- (no allowance: the backorder take saw nothing, and S + A
+                        -- is S)
                         v_most := least(coalesce(v_take.seen_available, 0),
-                                        coalesce(v_bo.seen_available, 0) - v_base);
+                                        coalesce(v_bo.seen_available, v_take.seen_available, 0)
+                                        - v_base);
                     END IF;
                 END IF;
                 IF v_take.ok OR v_bo_ok THEN
