@@ -32,12 +32,12 @@ def books(dsn: str, tenant: int, sku: str, location: str = "w") -> dict[str, int
                     strict=True))
 
 
-def created_events(dsn: str, tenant: int) -> list[dict[str, object]]:
-    """The payloads of the tenant's reservation.created events, oldest first."""
+def created_events(dsn: str, tenant: int,
+                   kind: str = "reservation.created") -> list[dict[str, object]]:
+    """The payloads of the tenant's events of one type, oldest first."""
     with psycopg.connect(dsn) as conn:
         rows = conn.execute("SELECT payload FROM outbox_event WHERE tenant_id = %s"
-                            " AND type = 'reservation.created' ORDER BY event_id",
-                            (tenant,)).fetchall()
+                            " AND type = %s ORDER BY event_id", (tenant, kind)).fetchall()
     return [r[0] for r in rows]
 
 
@@ -126,6 +126,33 @@ async def test_a_claim_makes_backorders_owed_and_receipts_pay_them_first(
     # a count afterwards sets what is on hand
     counted = await svc.set_stock(tenant.id, "tee", "w", 4)
     assert (counted.on_hand, counted.available) == (4, 7)
+    assert await svc.invariant_violations(tenant.id) == []
+
+
+@BATCHING
+async def test_a_late_claim_of_a_backordered_hold_owes_nothing_and_says_so(
+        db: Database, clock: Clock, tenant: Tenant, strategy: str, batching: bool,
+        dsn: str) -> None:
+    """2 on hand, allowance 3: a hold of 5 has 3 backordered. The sweeper gives it up at
+    its expiry (its allowance back), a receipt of 10 arrives, and the late claim takes
+    all 5 from stock: nothing is owed, and the claimed reservation and its
+    reservation.claimed event mark none of its units backordered. Before, both still
+    said 3, which a consumer would take for 3 units to ship later."""
+    svc = ReservationService(db, clock=clock, batching=batching)
+    await svc.set_stock(tenant.id, "tee", "w", 2, strategy=strategy, backorder_limit=3)
+    out = await svc.reserve(tenant.id, "k1", [("tee", "w", 5)], ttl=10)
+    assert out.reservation is not None and out.reservation.lines[0].backordered == 3
+    clock.advance(20)
+    assert await svc.expire_due(500) == 1
+    await svc.adjust_stock(tenant.id, "receipt-1", "tee", "w", 10, reason="receipt")
+    claimed = await svc.claim(tenant.id, out.reservation.id)
+    assert claimed.status == "claimed"
+    assert [x.backordered for x in claimed.lines] == [0]
+    found = books(dsn, tenant.id, "tee")
+    assert (found["on_hand"], found["held"], found["owed"], found["lines"]) == (7, 0, 0, 0)
+    [event] = created_events(dsn, tenant.id, "reservation.claimed")
+    assert event["lines"] == [{"sku": "tee", "location": "w", "quantity": 5}]
+    assert (await svc.get_reservation(tenant.id, out.reservation.id)).lines == claimed.lines
     assert await svc.invariant_violations(tenant.id) == []
 
 

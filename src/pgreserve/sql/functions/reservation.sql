@@ -410,7 +410,8 @@ BEGIN
 
     FOR v_line IN
         SELECT l.line_no, l.bucket_id, l.quantity, l.held,
-               CASE WHEN l.held THEN l.backordered ELSE 0 END AS backordered
+               CASE WHEN l.held THEN l.backordered ELSE 0 END AS backordered,
+               l.backordered AS line_backordered
         FROM reservation_line l
         JOIN stock_bucket b ON b.tenant_id = l.tenant_id AND b.bucket_id = l.bucket_id
         WHERE l.tenant_id = p_tenant AND l.reservation_id = p_id
@@ -425,6 +426,13 @@ BEGIN
             IF NOT (bucket_take_v1(p_tenant, v_line.bucket_id, v_line.quantity, p_now)).ok THEN
                 RAISE EXCEPTION 'reservation % expired and its stock is gone', p_id
                     USING ERRCODE = 'PR425';
+            END IF;
+            IF v_line.line_backordered <> 0 THEN
+                -- all its units came from stock: none of the sale is owed, and the
+                -- line (its reads, the claimed event) says so
+                UPDATE reservation_line SET backordered = 0
+                WHERE tenant_id = p_tenant AND reservation_id = p_id
+                  AND line_no = v_line.line_no;
             END IF;
         END IF;
         -- A shortfall stays until receipts pay it back: claiming a hold whose
