@@ -9,7 +9,7 @@ import pytest
 
 from conftest import ApiTenant
 from pgreserve import ReservationService, Tenant
-from pgreserve.errors import RequestNotFound
+from pgreserve.errors import RequestInProgress, RequestNotFound
 from test_http_api import assert_problem, put_stock, reserve
 
 
@@ -97,3 +97,50 @@ async def test_http_lookup_finds_a_key_sent_as_utf8_in_the_header(
     assert key in theirs.json()["detail"]
     assert_problem(await api.client.get("/v1/requests/" + quote("commande-é-№2", safe="")),
                    404, "request_not_found")
+
+
+async def test_a_key_whose_request_is_still_running_is_in_progress_not_unknown(
+        service: ReservationService, api: ApiTenant, other: ApiTenant, plain_dsn: str,
+        strategy: str) -> None:
+    """A reserve (and a keyed claim) running in a transaction that has not committed
+    holds its key: the lookup, through the library and over HTTP, is RequestInProgress
+    / 409 request_in_progress with Retry-After, never "never used" (404) -- that request
+    may still commit its hold, and a client told 404 would hold again under a new key.
+    Once it commits the lookup returns its answer; once one rolls back, 404. Before, the
+    lookup read the ledger alone and answered 404 while the hold could still commit."""
+    import psycopg
+
+    tenant = api.tenant
+    for t in (tenant.id, other.tenant.id):
+        await service.set_stock(t, "tee", "wh", 5, strategy=strategy)
+    async with await psycopg.AsyncConnection.connect(plain_dsn, autocommit=True) as shop:
+        async with shop.transaction():
+            held = await service.reserve(tenant.id, "buy-1", [("tee", "wh", 2)], conn=shop)
+            assert held.reservation is not None
+            with pytest.raises(RequestInProgress):
+                await service.lookup_request(tenant.id, "buy-1")
+            busy = await api.client.get("/v1/requests/buy-1")
+            assert_problem(busy, 409, "request_in_progress")
+            assert busy.headers["Retry-After"] == "1"
+            with pytest.raises(RequestNotFound):  # another key
+                await service.lookup_request(tenant.id, "buy-2")
+            assert_problem(await other.client.get("/v1/requests/buy-1"), 404,
+                           "request_not_found")  # another tenant's key
+        found = await service.lookup_request(tenant.id, "buy-1")
+        assert found.outcome["reservation"]["id"] == held.reservation.id
+        assert (await api.client.get("/v1/requests/buy-1")).json()["outcome"] == "held"
+
+        async with shop.transaction():
+            await service.claim(tenant.id, held.reservation.id, request_key="pay-1",
+                                conn=shop)
+            with pytest.raises(RequestInProgress):
+                await service.lookup_request(tenant.id, "pay-1")
+            savepoint = shop.transaction()
+            await savepoint.__aenter__()
+            await service.reserve(tenant.id, "buy-3", [("tee", "wh", 1)], conn=shop)
+            with pytest.raises(RequestInProgress):
+                await service.lookup_request(tenant.id, "buy-3")
+            await savepoint.__aexit__(RuntimeError, RuntimeError("roll it back"), None)
+        assert (await service.lookup_request(tenant.id, "pay-1")).operation == "claim"
+        with pytest.raises(RequestNotFound):
+            await service.lookup_request(tenant.id, "buy-3")

@@ -1888,10 +1888,11 @@ async def refusal_not_recorded(rollout: Rollout, service: ReservationService,
     not be recorded in pgreserve (the database did not answer): OutcomeUnknown."""
     real_fetch = service.db.fetch
 
-    async def failing_fetch(sql: Any, params: Any = (), *, op: Any = None) -> Any:
+    async def failing_fetch(sql: Any, params: Any = (), *, op: Any = None,
+                            read_committed: bool = False) -> Any:
         if op is not None and op.action == "rollout_refusal_record":
             raise errors.DatabaseUnavailable("no connection free")
-        return await real_fetch(sql, params, op=op)
+        return await real_fetch(sql, params, op=op, read_committed=read_committed)
 
     service.db.fetch = failing_fetch  # type: ignore[method-assign]
     try:

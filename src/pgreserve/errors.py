@@ -98,6 +98,14 @@ class RequestNotFound(PgReserveError):
     code = "request_not_found"
 
 
+class RequestInProgress(PgReserveError):
+    """A request under this key is running right now: it has no answer yet, and may
+    still commit one (retry shortly)."""
+
+    code = "request_in_progress"
+    retryable = True
+
+
 class ApiKeyNotFound(PgReserveError):
     """No unrevoked API key of this tenant is shown with this prefix."""
 

@@ -60,6 +60,7 @@ from ..errors import (
     InvalidCursor,
     InvalidRequest,
     PreconditionFailed,
+    RequestInProgress,
     RequestNotFound,
     ReservationNotFound,
     TenantNameTaken,
@@ -908,15 +909,21 @@ class ReservationService:
         or adjustment) and, when it names a reservation, that reservation as it is now.
 
         Raises RequestNotFound for a key this tenant never used (or that the janitor
-        has forgotten)."""
+        has forgotten), and RequestInProgress while a request under the key runs and has
+        no answer yet (it may still commit one: retry shortly)."""
         tenant = check.tenant_id(tenant)
         key = check.request_key(request_key)
         rows = await self.db.fetch(queries["request_view"], (self.clock(), tenant, key),
-                                   op=OPS["request_get"])
+                                   op=OPS["request_get"], read_committed=True)
         if not rows:
             await self._require_tenant(tenant)
             raise RequestNotFound(f"no request under key {key!r}")
-        operation, status, outcome, created_at, view = rows[0]
+        operation, status, outcome, created_at, view, in_progress = rows[0]
+        if in_progress:
+            await self._require_tenant(tenant)
+            raise RequestInProgress(
+                f"a request under key {key!r} is running and has no answer yet; "
+                "look it up again shortly")
         return RequestRecord(key, str(operation), str(status), outcome, created_at,
                              None if view is None else Reservation.from_json(view))
 

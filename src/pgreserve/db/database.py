@@ -217,6 +217,8 @@ class Database:
             sql_.Literal(_TIMEOUT_MARK)).as_bytes(None)
         self._begin_read = sql_.SQL(queries["transaction_begin_read"]).format(
             where).as_bytes(None) + b"; "
+        self._begin_read_committed = sql_.SQL(
+            queries["transaction_begin_read_committed"]).format(where).as_bytes(None) + b"; "
         self._commit = b"; " + queries["transaction_commit"].encode()
         # Under a deadline the statement_timeout literal is the time left (in ms).
         head, _, tail = begin.partition(b"'" + _TIMEOUT_MARK.encode() + b"'")
@@ -506,12 +508,15 @@ class Database:
 
     async def fetch(self, sql: LiteralString,
                     params: Sequence[Any] | Mapping[str, Any] = (), *,
-                    op: Op | None = None) -> list[tuple[Any, ...]]:
+                    op: Op | None = None,
+                    read_committed: bool = False) -> list[tuple[Any, ...]]:
         """Run a query in a transaction of its own and return all rows.
 
         Like `call`, one message: BEGIN with the schema's search_path, the query
         (values bound on the client) and COMMIT; the server's own isolation and
-        limits apply, as they do to an autocommit statement. The wait for a
+        limits apply, as they do to an autocommit statement (`read_committed`: READ
+        COMMITTED whatever the server's default, for a function whose statements
+        must each see what committed before them). The wait for a
         connection is bounded as in `call`; a lost connection is retried within
         the deadline, then DatabaseUnavailable (a read changes nothing); lock
         and statement timeouts are Busy."""
@@ -525,7 +530,8 @@ class Database:
                 wait = self._pool_wait(end)
                 pool = await self._pool_for(op)
                 async with pool.connection(timeout=wait) as conn:
-                    return await self._read(conn, tagged(sql, op), params, end)
+                    return await self._read(conn, tagged(sql, op), params, end,
+                                            read_committed)
             except _Late:
                 raise self._gave_up(op, False, "the request deadline passed") from None
             except PoolTimeout as exc:
@@ -548,12 +554,14 @@ class Database:
 
     async def _read(self, conn: psycopg.AsyncConnection[Any], sql: LiteralString,
                     params: Sequence[Any] | Mapping[str, Any],
-                    end: float | None = None) -> list[tuple[Any, ...]]:
+                    end: float | None = None,
+                    read_committed: bool = False) -> list[tuple[Any, ...]]:
         text = psycopg.AsyncClientCursor(conn).mogrify(sql, params).encode(
             conn.info.encoding)
         pgconn = conn.pgconn
         try:
-            pgconn.send_query(self._begin_read + text + self._commit)
+            begin = self._begin_read_committed if read_committed else self._begin_read
+            pgconn.send_query(begin + text + self._commit)
             results = await _results(conn, end)
         except BaseException:
             await _roll_back(conn)

@@ -39,11 +39,7 @@ class PreconditionInvalid(errors.PgReserveError):
     code = "precondition_invalid"
 
 
-class RequestInProgress(errors.PgReserveError):
-    """The same Idempotency-Key is being processed by this server right now."""
-
-    code = "request_in_progress"
-    retryable = True
+RequestInProgress = errors.RequestInProgress  # the same key running now (409)
 
 
 class InsufficientStock(errors.PgReserveError):

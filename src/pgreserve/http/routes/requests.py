@@ -37,7 +37,7 @@ register_url_convertor("request_key", RequestKeyConvertor())
 
 
 @router.get("/v1/requests/{key:request_key}", response_model=RequestOut,
-            responses=problems.responses(404, *COMMON),
+            responses=problems.responses(404, 409, *COMMON),
             summary="The stored answer under an Idempotency-Key, and the reservation it "
                     "names as it is now")
 async def get_request(key: PathName, tenant: Tenant, svc: Service) -> Response:

@@ -132,3 +132,37 @@ BEGIN
     END IF;
     RETURN true;
 END $$;
+
+-- GET /v1/requests/{key}: the answer stored under a key and, when it names a
+-- reservation, that reservation as it is now; no row for a key never used; one row
+-- with in_progress (and nothing else) while a request under the key runs. A request
+-- holds the key's lock (pg_advisory_xact_lock above, reserve_v1, the batch's try)
+-- until it commits its answer, so a key with no answer yet whose lock is taken may
+-- still get one: saying "never used" then would let a client that lost its reply
+-- hold the stock again under a new key. The lock is tried (shared: lookups do not
+-- wait for each other) before the ledger is read, by a statement of its own: in a
+-- READ COMMITTED transaction (the caller's) that read sees every answer committed
+-- before the try found the lock free.
+CREATE OR REPLACE FUNCTION request_view_v1(p_now timestamptz, p_tenant bigint, p_key text,
+                                           OUT operation text, OUT status text,
+                                           OUT outcome jsonb, OUT created_at timestamptz,
+                                           OUT reservation jsonb, OUT in_progress boolean)
+RETURNS SETOF record LANGUAGE plpgsql AS $$
+DECLARE
+    v_free boolean;
+BEGIN
+    v_free := pg_try_advisory_xact_lock_shared(hashtextextended(p_key, p_tenant));
+    RETURN QUERY
+    SELECT l.operation, l.status, l.outcome, l.created_at,
+           CASE WHEN l.outcome -> 'reservation' ->> 'id' IS NOT NULL
+                THEN reservation_view_v1(l.tenant_id,
+                                         (l.outcome -> 'reservation' ->> 'id')::uuid,
+                                         coalesce(p_now, clock_timestamp())) END,
+           false
+    FROM request_ledger l
+    WHERE l.tenant_id = p_tenant AND l.request_key = p_key;
+    IF NOT FOUND AND NOT v_free THEN
+        RETURN QUERY SELECT NULL::text, NULL::text, NULL::jsonb, NULL::timestamptz,
+                            NULL::jsonb, true;
+    END IF;
+END $$;

@@ -13,6 +13,11 @@ BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL search_path TO {}; SET LOCAL loc
 -- autocommit statement has; only the schema is set.
 BEGIN; SET LOCAL search_path TO {};
 
+-- name: transaction_begin_read_committed
+-- A read whose function must see what committed before each of its statements
+-- (Database.fetch(read_committed=True)), whatever the server's default isolation.
+BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL search_path TO {};
+
 -- name: transaction_isolation_get
 -- The isolation of the caller's own transaction (Database.call_on).
 SELECT current_setting('transaction_isolation');
