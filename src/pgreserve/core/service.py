@@ -357,7 +357,7 @@ class ReservationService:
         try:
             row = await self.db.call(
                 queries["tenant_create"], (name,),
-                op=OPS["tenant_create"])
+                op=OPS["tenant_create"], replay_safe=False)
         except psycopg.errors.UniqueViolation:
             raise _name_taken(name) from None
         return Tenant(int(row), name)
@@ -369,7 +369,7 @@ class ReservationService:
         try:
             row = await self.db.call(queries["tenant_create_with_key"],
                                      (name, apikeys.hash_key(key), apikeys.shown_prefix(key)),
-                                     op=OPS["tenant_create"])
+                                     op=OPS["tenant_create"], replay_safe=False)
         except psycopg.errors.UniqueViolation:
             raise _name_taken(name) from None
         return Tenant(int(row), name), key
@@ -381,7 +381,7 @@ class ReservationService:
         key = apikeys.new_key()
         await self.db.call(queries["api_key_create_with_prefix"],
                            (tenant, apikeys.hash_key(key), apikeys.shown_prefix(key)),
-                           op=OPS["api_key_create"])
+                           op=OPS["api_key_create"], replay_safe=False)
         return key
 
     async def api_keys(self, tenant: int) -> list[ApiKeyInfo]:
@@ -398,7 +398,7 @@ class ReservationService:
         tenant = check.tenant_id(tenant)
         prefix = check.name(prefix, "prefix")
         revoked = await self.db.call(queries["api_key_revoke"], (tenant, prefix),
-                                     op=OPS["api_key_revoke"])
+                                     op=OPS["api_key_revoke"], replay_safe=False)
         if revoked is None:
             await self._require_tenant(tenant)
             raise ApiKeyNotFound(f"no unrevoked API key shown as {prefix!r}")
@@ -486,6 +486,10 @@ class ReservationService:
             (tenant, sku, location, on_hand, chosen.value if chosen else None, force,
              pool_cap, versions, exists, safety_stock, backorder_limit, self.clock()),
             op=OPS["stock_set"],
+            # a count is the same count run twice; one under a version or create-only
+            # condition is refused the second time (412: the version moved, or the
+            # line exists now)
+            replay_safe=versions is None and exists is not False,
         )
         _raise_if_precondition_failed(doc, sku, location)
         return StockView.from_json(doc)
@@ -955,7 +959,7 @@ class ReservationService:
         if not reason:
             raise InvalidRequest("an unfreeze needs a reason", field="reason")
         doc = await self.db.call(queries["freeze_lift"], (tenant, bucket, reason, by),
-                                 op=OPS["freeze_lift"])
+                                 op=OPS["freeze_lift"], replay_safe=False)
         if doc is None:
             what = "tenant" if bucket == 0 else f"{sku!r} at {location!r}"
             raise FreezeNotFound(f"{what} is not frozen")
@@ -1098,7 +1102,7 @@ class ReservationService:
         await webhook_targets.check_url(url, allow_private=self.allow_private_webhooks)
         secret = WEBHOOK_SECRET_PREFIX + secrets.token_urlsafe(32)
         doc = await self.db.call(queries["webhook_register"], (tenant, url, secret),
-                                 op=OPS["webhook_register"])
+                                 op=OPS["webhook_register"], replay_safe=False)
         due = doc.get("next_attempt_at")  # (absent from a function older than this release)
         return Webhook(int(doc["id"]), str(doc["url"]), datetime.fromisoformat(doc["created_at"]),
                        next_attempt_at=None if due is None else datetime.fromisoformat(due),
@@ -1125,7 +1129,7 @@ class ReservationService:
         if not 1 <= wid <= 2**63 - 1:
             raise WebhookNotFound(f"unknown webhook {webhook_id!r}")
         gone = await self.db.call(queries["webhook_delete"], (tenant, wid),
-                                  op=OPS["webhook_delete"])
+                                  op=OPS["webhook_delete"], replay_safe=False)
         if not gone:
             raise WebhookNotFound(f"unknown webhook {wid}")
 

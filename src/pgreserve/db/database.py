@@ -371,13 +371,20 @@ class Database:
 
     async def call(self, sql: LiteralString, params: Sequence[Any] = (),
                    *, op: Op | None = None, session: Session | None = None,
-                   deadline: float | None = None) -> Any:
+                   deadline: float | None = None, replay_safe: bool = True) -> Any:
         """Run one statement in its own transaction and return the first column of the first row.
 
         Deadlocks, serialization failures and lost connections are retried as
-        whole transactions with bounded, jittered backoff (every operation is
+        whole transactions with bounded, jittered backoff (the operation is
         idempotent: by request key or by state). Lock and statement timeouts
         surface as Busy. Typed SQLSTATEs become their PgReserveError.
+
+        `replay_safe=False`: an operation whose second run would answer otherwise
+        once the first committed (a conditional write: its condition no longer holds;
+        a create: the name is taken, or a second one is made; a removal: nothing is
+        left to remove). A connection lost after its statement was sent ends the call
+        at once with OutcomeUnknown instead of a retry whose refusal would be taken
+        for the answer.
 
         `deadline` (monotonic time; default: the one `deadline()` set here)
         bounds the whole call: the wait for a connection, the transaction's
@@ -400,9 +407,11 @@ class Database:
                 wait = self._pool_wait(end)
                 if session is not None:
                     conn = await session.connection(wait)
-                    result = await self._run(conn, sql, params, end, wait_for_units)
+                    result = await self._run(conn, sql, params, end, wait_for_units,
+                                             not replay_safe)
                 else:
-                    result = await self._once(sql, params, op, wait, end, wait_for_units)
+                    result = await self._once(sql, params, op, wait, end, wait_for_units,
+                                              not replay_safe)
                 if lost_before:
                     self._emit(op, "unknown_outcome_resolved")
                 return result
@@ -417,6 +426,14 @@ class Database:
                 self._raise_refused(op, exc, lost_before)
                 state = exc.sqlstate or ""
                 lost = _connection_lost(exc, state)
+                sent = lost and not isinstance(exc, _NotSent)
+                if sent and not replay_safe:
+                    self._emit(op, "unknown_outcome")
+                    raise errors.OutcomeUnknown(
+                        f"the database connection was lost after the statement was sent "
+                        f"({exc}), so it may have committed; it is not run again, since "
+                        "a second run would not answer as the first did: read the state "
+                        "before trying again") from exc
                 if state in _RETRY_WHOLE or lost:
                     if state == "40P01":
                         self.stats.deadlocks_retried += 1
@@ -435,7 +452,7 @@ class Database:
                     else:
                         self.stats.connection_retried += 1
                         self._emit(op, "connection_retried")
-                        lost_before = True
+                        lost_before = lost_before or sent
                     delay = self._backoff(attempt)
                     # (a batch's session keeps max_attempts: its retries hold
                     # the bucket's queue, whose requests have deadlines of their own)
@@ -455,14 +472,14 @@ class Database:
 
     async def _once(self, sql: LiteralString, params: Sequence[Any],
                     op: Op | None, wait: float, end: float | None,
-                    wait_for_units: Collection[str] = ()) -> Any:
+                    wait_for_units: Collection[str] = (), alive_first: bool = False) -> Any:
         pool = await self._pool_for(op)
         async with pool.connection(timeout=wait) as conn:
-            return await self._run(conn, sql, params, end, wait_for_units)
+            return await self._run(conn, sql, params, end, wait_for_units, alive_first)
 
     async def _run(self, conn: psycopg.AsyncConnection[Any], sql: LiteralString,
                    params: Sequence[Any], end: float | None = None,
-                   wait_for_units: Collection[str] = ()) -> Any:
+                   wait_for_units: Collection[str] = (), alive_first: bool = False) -> Any:
         statement = self._statement(sql)
         begin = self._begin_until(end)  # before anything is sent
         if wait_for_units:  # bucket ids: digits only (_wait_for_units)
@@ -480,7 +497,7 @@ class Database:
         adapt = Transformer(conn)
         pgconn = conn.pgconn
         try:
-            pgconn.send_query(begin + statement.render(adapt, params))
+            _send(pgconn, begin + statement.render(adapt, params), alive_first)
             results = await _results(conn, end)
         except BaseException:
             await _roll_back(conn)
@@ -755,6 +772,30 @@ async def _roll_back(conn: psycopg.AsyncConnection[Any]) -> None:
         conn.pgconn.finish()
     elif status != pq.TransactionStatus.IDLE:
         await conn.execute(queries["transaction_rollback"], prepare=False)
+
+
+class _NotSent(psycopg.OperationalError):
+    """The connection failed while the statement was being handed to it: the server
+    never had the whole message (one simple-query message, run only once whole), so
+    nothing of it ran."""
+
+
+def _send(pgconn: Any, query: bytes, alive_first: bool = False) -> None:
+    """Send `query`; `alive_first`: read what the server sent the idle connection first
+    (one non-blocking read), so a connection the server ended while it sat in the pool
+    (a restart, a terminated backend: its goodbye and end of stream are waiting) fails
+    here, unsent, and is retried on another, instead of failing after the send, where
+    the outcome of a call that must not run twice would be unknown."""
+    try:
+        if alive_first:
+            # (the goodbye first, then a second read meets the end of stream)
+            pgconn.consume_input()
+            pgconn.consume_input()
+            if pgconn.status != pq.ConnStatus.OK:
+                raise psycopg.OperationalError("the connection was closed while idle")
+        pgconn.send_query(query)
+    except psycopg.OperationalError as exc:
+        raise _NotSent(str(exc)) from exc
 
 
 def _connection_lost(exc: psycopg.errors.Error, state: str) -> bool:

@@ -1,0 +1,157 @@
+"""A write whose reply is lost after its commit, for the operations that a second run would
+answer differently: the caller is told the outcome is unknown, never a refusal that the
+first run's own commit caused. Those that a second run answers the same are retried as
+before, and a connection the server ended while it sat idle in the pool is never taken
+for one that lost a reply."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import psycopg
+import pytest
+
+from conftest import ApiTenant
+from pgreserve import Database, ReservationService
+from pgreserve.db.embedded import EmbeddedServer
+from pgreserve.errors import OutcomeUnknown
+from test_http_api import assert_problem, put_stock
+
+
+@contextmanager
+def reply_lost_after_commit(server: EmbeddedServer, dsn: str, table: str) -> Iterator[None]:
+    """The next transaction that writes `table` commits (its commit record flushed
+    locally) and loses its connection before the reply: its COMMIT waits for a
+    synchronous standby that never comes, and the backend is terminated there, as the
+    fault suite does. Only the first such transaction; the server is set back after."""
+    admin = server.dsn("postgres")
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute("ALTER SYSTEM SET synchronous_standby_names = 'pgreserve_nobody'")
+        conn.execute("ALTER SYSTEM SET synchronous_commit = 'local'")
+        conn.execute("SELECT pg_reload_conf()")
+    stop = threading.Event()
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE pgreserve.lost_reply_armed (n int)")
+            conn.execute("INSERT INTO pgreserve.lost_reply_armed VALUES (1)")
+            conn.execute("""CREATE FUNCTION pgreserve.lost_reply_arm() RETURNS trigger
+                LANGUAGE plpgsql AS $$ BEGIN
+                  IF EXISTS (SELECT 1 FROM pgreserve.lost_reply_armed) THEN
+                    DELETE FROM pgreserve.lost_reply_armed;
+                    PERFORM set_config('synchronous_commit', 'on', true);
+                  END IF;
+                  RETURN NULL;
+                END $$""")
+            conn.execute(f"CREATE TRIGGER lost_reply_arm AFTER INSERT OR UPDATE OR DELETE"
+                         f" ON pgreserve.{table} FOR EACH STATEMENT"
+                         f" EXECUTE FUNCTION pgreserve.lost_reply_arm()")
+        killed: list[int] = []
+
+        def killer() -> None:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                while not stop.is_set():
+                    killed.extend(r[0] for r in conn.execute(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                        " WHERE datname = current_database() AND wait_event = 'SyncRep'"))
+                    if killed:
+                        return
+                    time.sleep(0.005)
+
+        thread = threading.Thread(target=killer, daemon=True)
+        thread.start()
+        yield
+        stop.set()
+        thread.join(10)
+        assert killed, "no commit waited for the standby: the reply was never lost"
+    finally:
+        stop.set()
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute("ALTER SYSTEM RESET synchronous_standby_names")
+            conn.execute("ALTER SYSTEM RESET synchronous_commit")
+            conn.execute("SELECT pg_reload_conf()")
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("DROP TRIGGER IF EXISTS lost_reply_arm ON pgreserve." + table)
+            conn.execute("DROP TABLE IF EXISTS pgreserve.lost_reply_armed")
+            conn.execute("DROP FUNCTION IF EXISTS pgreserve.lost_reply_arm()")
+
+
+async def test_conditional_counts_whose_reply_was_lost_are_unknown_not_412(
+        api: ApiTenant, pg_server: EmbeddedServer, dsn: str) -> None:
+    """PUT /v1/stock with If-Match, and one with If-None-Match: *, each commit and lose
+    the reply. Run again, each would find its own write (the version moved, the line
+    exists) and answer 412 "nothing written". They are answered 503 outcome_unknown
+    instead, and the count was written once."""
+    assert (await put_stock(api, "tee", 5)).status_code == 201  # version 1
+    with reply_lost_after_commit(pg_server, dsn, "stock_bucket"):
+        lost = await api.client.put("/v1/stock/wh/tee", json={"on_hand": 20},
+                                    headers={"If-Match": 'W/"1"'})
+    assert_problem(lost, 503, "outcome_unknown")
+    now = (await api.client.get("/v1/stock/wh/tee")).json()
+    assert (now["on_hand"], now["version"]) == (20, 2)
+
+    with reply_lost_after_commit(pg_server, dsn, "stock_bucket"):
+        created = await api.client.put("/v1/stock/wh/new", json={"on_hand": 7},
+                                       headers={"If-None-Match": "*"})
+    assert_problem(created, 503, "outcome_unknown")
+    now = (await api.client.get("/v1/stock/wh/new")).json()
+    assert (now["on_hand"], now["version"]) == (7, 1)
+
+
+async def test_a_plain_count_whose_reply_was_lost_is_run_again_and_answered(
+        api: ApiTenant, pg_server: EmbeddedServer, dsn: str) -> None:
+    """A count without a condition is the same count run twice: its lost reply is
+    retried and answered 200 with the count."""
+    assert (await put_stock(api, "tee", 5)).status_code == 201
+    with reply_lost_after_commit(pg_server, dsn, "stock_bucket"):
+        again = await api.client.put("/v1/stock/wh/tee", json={"on_hand": 20})
+    assert again.status_code == 200, again.text
+    assert again.json()["on_hand"] == 20
+
+
+async def test_admin_writes_whose_reply_was_lost_are_unknown(
+        db: Database, pg_server: EmbeddedServer, dsn: str) -> None:
+    """An unfreeze, a webhook registration and a tenant's creation commit and lose their
+    reply. Run again they would say "not frozen", register a second endpoint (whose
+    secret the caller would get, not the first's), or "name taken": OutcomeUnknown
+    instead, with each done once."""
+    svc = ReservationService(db, batching=False, allow_private_webhooks=True)
+    tenant = await svc.create_tenant("acme")
+    await svc.set_stock(tenant.id, "tee", "wh", 5)
+    await svc.freeze(tenant.id, "audit", "ops", sku="tee", location="wh")
+    with reply_lost_after_commit(pg_server, dsn, "stock_freeze"), \
+            pytest.raises(OutcomeUnknown):
+        await svc.unfreeze(tenant.id, "done", "ops", sku="tee", location="wh")
+    assert await svc.freezes(tenant.id) == []
+
+    with reply_lost_after_commit(pg_server, dsn, "webhook_endpoint"), \
+            pytest.raises(OutcomeUnknown):
+        await svc.add_webhook(tenant.id, "http://127.0.0.1:9/hook")
+    assert len(await svc.webhooks(tenant.id)) == 1
+
+    with reply_lost_after_commit(pg_server, dsn, "tenant"), pytest.raises(OutcomeUnknown):
+        await svc.create_tenant("globex")
+    assert [t.name for t, _ in await svc.tenants()].count("globex") == 1
+
+
+async def test_a_connection_ended_while_idle_is_retried_not_unknown(
+        db: Database, dsn: str) -> None:
+    """The server ends the pool's idle connections (a terminated backend, a restart):
+    a create that must not run twice reads the connection's goodbye before it sends,
+    and is run on a new connection, not answered OutcomeUnknown."""
+    svc = ReservationService(db, batching=False)
+    await svc.create_tenant("acme")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        ended = conn.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            " AND backend_type = 'client backend'").fetchone()
+    assert ended is not None and ended[0] >= 1
+    await asyncio.sleep(0.2)  # (the goodbyes reach the pool's sockets)
+    retried = db.stats.connection_retried
+    for name in ("globex", "initech"):
+        assert (await svc.create_tenant(name)).name == name
+    assert db.stats.connection_retried > retried
