@@ -392,6 +392,9 @@ BEGIN
           -- (as index conditions too: a join alone read the tenant's whole pool)
           AND u.bucket_id = ANY (v_unit_buckets) AND u.unit_id = ANY (v_unit_ids);
     END IF;
+    -- the hold's life starts now, after any wait for units or locks above (begun
+    -- at the call's start, it could end before the caller is told it is held)
+    v_now := coalesce(p_now, clock_timestamp());
     -- one line per bucket, in (sku, location) order
     -- (a line shows its backordered units only when it has some)
     SELECT jsonb_agg(jsonb_build_object('sku', b.sku, 'location', b.location, 'quantity', t.qty)

@@ -256,6 +256,9 @@ BEGIN
                 v_seen := v_seen || coalesce(v_bo.seen_available, v_take.seen_available);
             END IF;
         END LOOP;
+        -- the decision's instant, after any wait of the takes: a hold's life starts
+        -- now (begun at the call's start, it could end before the caller is told)
+        v_now := coalesce(p_now, clock_timestamp());
     END IF;
 
     IF v_short <> '{}' THEN
@@ -422,7 +425,13 @@ BEGIN
             UPDATE reservation_line SET held = false
             WHERE tenant_id = p_tenant AND reservation_id = p_id AND line_no = v_line.line_no;
         ELSE
-            -- Given up at expiry: take the units again, or fail the claim.
+            -- Given up at expiry: take the units again, or fail the claim. The
+            -- bucket row first (lock order: the bucket, then its units): a take
+            -- holding pool units must not then wait for a stock change that holds
+            -- the bucket and drains the pool (it waits for those units: deadlock).
+            PERFORM 1 FROM stock_bucket
+            WHERE tenant_id = p_tenant AND bucket_id = v_line.bucket_id
+            FOR NO KEY UPDATE;
             IF NOT (bucket_take_v1(p_tenant, v_line.bucket_id, v_line.quantity, p_now)).ok THEN
                 RAISE EXCEPTION 'reservation % expired and its stock is gone', p_id
                     USING ERRCODE = 'PR425';

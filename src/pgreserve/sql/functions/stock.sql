@@ -70,6 +70,9 @@ BEGIN
         END IF;
         BEGIN
             v_lock := bucket_lock_exclusive_v1(p_tenant, v_bucket);
+            -- after its waits (held lines, in-flight takes): holds past their expiry
+            -- by now are given up, not counted against the new figure
+            v_now := coalesce(p_now, clock_timestamp());
             UPDATE stock_bucket
             SET strategy = coalesce(p_strategy, strategy),
                 pool_cap = coalesce(p_pool_cap, pool_cap),
@@ -185,6 +188,9 @@ BEGIN
     ELSE
         BEGIN
             v_lock := bucket_lock_exclusive_v1(p_tenant, v_bucket);
+            -- after its waits (held lines, in-flight takes): holds past their expiry
+            -- by now are given up, not counted against the new figure
+            v_now := coalesce(p_now, clock_timestamp());
             UPDATE stock_bucket SET version = version + 1
             WHERE tenant_id = p_tenant AND bucket_id = v_bucket
               AND (p_if_match IS NULL OR version = ANY (p_if_match));
