@@ -150,3 +150,28 @@ async def test_redirects_are_not_followed(service: ReservationService, tenant: T
         state = (await allowing.webhooks(tenant.id))[0]
     assert hit and set(hit) == {"/hook"}
     assert state.delivered == 0 and state.last_error == "HTTP 302"
+
+
+async def test_a_registration_waits_for_the_resolver_within_its_deadline(
+        db: Database, tenant: Tenant, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resolver that does not answer is waited for at most half the time left before
+    the request's deadline, then the name is accepted as one that does not resolve (the
+    delivery worker checks it before every connection) and the endpoint is written.
+    Before, the wait was a fixed 5 s: with the default 5 s deadline every registration
+    under a stalled resolver ended in 503 busy, past its deadline."""
+    from pgreserve.db.database import deadline
+
+    asked: list[str] = []
+    stalled = asyncio.Event()
+
+    async def no_answer(host: str, *args: object, **kwargs: object) -> object:
+        asked.append(host)
+        await stalled.wait()  # never set: only the timeout ends it
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", no_answer)
+    service = ReservationService(db, allow_private_webhooks=False)
+    with deadline(1.0):
+        hook = await service.add_webhook(tenant.id, "https://hooks.example.com/in")
+    assert asked == ["hooks.example.com"]
+    assert [w.id for w in await service.webhooks(tenant.id)] == [hook.id]

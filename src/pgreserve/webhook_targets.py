@@ -18,8 +18,10 @@ import ipaddress
 import os
 import re
 import socket
+import time
 from urllib.parse import urlsplit
 
+from .db.database import current_deadline
 from .errors import WebhookUrlRefused
 
 ALLOW_PRIVATE_ENV = "PGRESERVE_WEBHOOK_ALLOW_PRIVATE"
@@ -108,6 +110,17 @@ def check_addresses(host: str, addresses: list[str]) -> None:
                 f"are allowed (set {ALLOW_PRIVATE_ENV}=1 for local development)", field="url")
 
 
+def resolve_timeout() -> float:
+    """How long a registration waits for the resolver: RESOLVE_TIMEOUT_S, and under a
+    request deadline at most half the time left, so the registration itself still has
+    time to be written (a name that did not resolve in time is accepted, as one that
+    does not resolve: the delivery worker checks it before every connection)."""
+    end = current_deadline()
+    if end is None:
+        return RESOLVE_TIMEOUT_S
+    return max(0.0, min(RESOLVE_TIMEOUT_S, (end - time.monotonic()) / 2))
+
+
 async def check_url(url: str, *, allow_private: bool) -> None:
     """Refuse a webhook URL whose host is, or resolves to, a refused address.
 
@@ -127,7 +140,7 @@ async def check_url(url: str, *, allow_private: bool) -> None:
     try:
         infos = await asyncio.wait_for(
             asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM),
-            RESOLVE_TIMEOUT_S)
+            resolve_timeout())
     except (OSError, TimeoutError, UnicodeError):
         infos = []
     if not infos:
