@@ -163,6 +163,44 @@ async def test_mounted_without_its_lifespan_the_pool_opens_on_first_use(
         await inventory.state.service.db.close()
 
 
+async def test_mounted_without_its_lifespan_a_pool_still_opening_is_503_at_the_deadline(
+) -> None:
+    """The database's address takes connections and never answers them, so the pool's
+    opening (on first use) goes on for its 30 s. Two requests with a 0.5 s deadline
+    each wait for that one opening only until their deadline: 503 database_unavailable,
+    "still opening". Before, each waited for the whole open, one after the other (two
+    requests: about a minute), and the guard below fired."""
+    import asyncio
+    import contextlib
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # the kernel accepts; nobody ever speaks
+        port = silent.getsockname()[1]
+        inventory = create_app(f"postgresql://u@127.0.0.1:{port}/db?connect_timeout=20",
+                               request_deadline_s=0.5)
+        shop = FastAPI()
+        shop.mount(MOUNT, inventory)
+        transport = httpx.ASGITransport(app=shop)  # no lifespan at all
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://shop") as client:
+                answers = await asyncio.wait_for(asyncio.gather(*(
+                    client.get(f"{MOUNT}/v1/stock/wh/tee",
+                               headers={"Authorization": "Bearer pgr_none"})
+                    for _ in range(2))), 20)
+            for answer in answers:
+                assert answer.status_code == 503, answer.text
+                assert answer.json()["code"] == "database_unavailable", answer.text
+                assert "still opening" in answer.json()["detail"]
+        finally:
+            opening = inventory.state.opening
+            if opening is not None:
+                opening.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await opening
+
+
 async def test_an_app_lifespan_runs_once(db: Database) -> None:
     """Entering an app's lifespan a second time (say, by both host and server) is refused."""
     app = create_app(database=db)

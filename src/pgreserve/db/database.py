@@ -341,7 +341,11 @@ class Database:
                 log.exception("metrics observer failed")
 
     async def open(self) -> Database:
-        await self.pool.open(wait=True, timeout=30)
+        try:
+            await self.pool.open(wait=True, timeout=30)
+        except BaseException:
+            await self.close()  # (a pool that did not fill in time stops trying)
+            raise
         if self.check_schema:
             try:
                 async with self.pool.connection() as conn:

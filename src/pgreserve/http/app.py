@@ -14,6 +14,7 @@ import contextlib
 import functools
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from psycopg_pool import PoolTimeout
 from .. import errors
 from ..core.service import Clock, ReservationService
 from ..db import schema as schemas
-from ..db.database import Database
+from ..db.database import Database, current_deadline
 from ..ops import web
 from ..ops.pgbouncer import PgBouncerMonitor
 from ..rollout import Rollout
@@ -189,29 +190,49 @@ class OpenOnFirstUse:
         await self.app(scope, receive, send)
 
     async def open(self, scope: Scope) -> None:
+        """Wait for the one opening of the pool (the first request that needs it starts
+        it; one that failed is started again by the next), within this request's
+        deadline: past it the request is 503 unavailable, and the opening goes on for
+        the requests after it. (Waiting for it whole, each request queued behind the
+        last for up to the pool's 30 s open timeout.)"""
         state = self.api.state
-        async with state.opening:
-            if state.service is not None or state.lifecycle != NEW:
-                return
-            if not self.warned:
-                self.warned = True
-                log.warning(
-                    "pgreserve app at %r: its lifespan did not run (mounted inside another "
-                    "app?), so its database pool opens on this first request, and is not "
-                    "closed at shutdown. Run it from the host's lifespan: FastAPI(lifespan="
-                    "app.router.lifespan_context) or `async with pgreserve.http.lifespan(app)`"
-                    " (docs/api.md, 'Inside your own FastAPI app').",
-                    scope.get("root_path") or "/")
-            owned: OwnedPool = state.owned_pool
-            database = owned.database(state.metrics)
-            await database.open()
-            service = ReservationService(database, **state.service_options)
-            url: str | None = state.legacy_redis_url
-            if url is not None:
-                rollout = Rollout.from_url(service, url, registry=state.metrics.registry)
-                rollout.start()
-                state.rollout = rollout
-            state.service = service
+        task: asyncio.Task[None] | None = state.opening
+        if task is None or (task.done() and state.service is None):
+            task = state.opening = asyncio.create_task(self._open(scope))
+            # (its failure is read by the requests waiting, or here if none is left)
+            task.add_done_callback(lambda done: done.cancelled() or done.exception())
+        end = current_deadline()
+        try:
+            await asyncio.wait_for(asyncio.shield(task),
+                                   None if end is None else max(0.0, end - time.monotonic()))
+        except TimeoutError:
+            raise errors.DatabaseUnavailable(
+                "the database pool is still opening (no connection was made within the "
+                "request's deadline); retry later") from None
+
+    async def _open(self, scope: Scope) -> None:
+        state = self.api.state
+        if state.service is not None or state.lifecycle != NEW:
+            return
+        if not self.warned:
+            self.warned = True
+            log.warning(
+                "pgreserve app at %r: its lifespan did not run (mounted inside another "
+                "app?), so its database pool opens on this first request, and is not "
+                "closed at shutdown. Run it from the host's lifespan: FastAPI(lifespan="
+                "app.router.lifespan_context) or `async with pgreserve.http.lifespan(app)`"
+                " (docs/api.md, 'Inside your own FastAPI app').",
+                scope.get("root_path") or "/")
+        owned: OwnedPool = state.owned_pool
+        database = owned.database(state.metrics)
+        await database.open()
+        service = ReservationService(database, **state.service_options)
+        url: str | None = state.legacy_redis_url
+        if url is not None:
+            rollout = Rollout.from_url(service, url, registry=state.metrics.registry)
+            rollout.start()
+            state.rollout = rollout
+        state.service = service
 
 
 def _route_path(scope: Scope) -> str:
@@ -300,6 +321,7 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
         generate_unique_id_function=operation_id,
         docs_url=None, redoc_url=None,  # docs.py serves them from the package, offline
     )
+    app.state.opening = None  # OpenOnFirstUse's opening of the pool, once started
     app.router.lifespan_context = _own_lifespan(app)
     docs.add_routes(app)
     for router in ROUTERS:
@@ -317,7 +339,6 @@ def create_app(dsn: str | None = None, *, database: Database | None = None,
     state.tenant_limit = limit
     state.lifecycle = NEW
     state.fast_path_served = 0  # requests the fast path answered itself (fastpath.py)
-    state.opening = asyncio.Lock()
     state.pgbouncer = (PgBouncerMonitor(pgbouncer_admin_url, metrics.registry)
                        if pgbouncer_admin_url else None)
     if database is not None:
