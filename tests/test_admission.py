@@ -157,6 +157,22 @@ async def test_retries_stop_at_the_deadline(dsn: str) -> None:
         assert 1 <= db.stats.serialization_retried < 1000
 
 
+async def test_busy_says_what_the_server_said_without_its_function_context(dsn: str) -> None:
+    """A call given up after its retries is Busy with the server's own message, in one
+    line: not the CONTEXT lines psycopg appends, which name pgreserve's functions and
+    their lines and reached API answers (503 busy's detail) before."""
+    quick = TxSettings(max_attempts=2, backoff_base_s=0.001, backoff_cap_s=0.002,
+                       contention_retry_s=0)
+    async with Database(dsn, max_size=2, settings=quick) as db:
+        await db.call("CREATE FUNCTION conflicted() RETURNS int LANGUAGE plpgsql AS"
+                      " $$ BEGIN RAISE EXCEPTION 'the stock moved' USING ERRCODE = '40001',"
+                      " HINT = 'inner hint'; END $$")
+        with pytest.raises(Busy) as busy:
+            await db.call("SELECT conflicted()")
+    assert busy.value.message == ("gave up after 2 attempts: the stock moved; nothing was "
+                                  "done, retry later")
+
+
 async def test_contention_is_retried_for_its_window_past_max_attempts(dsn: str) -> None:
     """A statement refused by contention (serialization failure, deadlock) more often than
     max_attempts is still retried while contention_retry_s lasts and then succeeds; with

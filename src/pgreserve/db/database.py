@@ -435,7 +435,7 @@ class Database:
                     self._emit(op, "unknown_outcome")
                     raise errors.OutcomeUnknown(
                         f"the database connection was lost after the statement was sent "
-                        f"({exc}), so it may have committed; it is not run again, since "
+                        f"({_said(exc)}), so it may have committed; it is not run again, since "
                         "a second run would not answer as the first did: read the state "
                         "before trying again") from exc
                 if state in _RETRY_WHOLE or lost:
@@ -464,11 +464,11 @@ class Database:
                         time.monotonic() + delay - started < s.contention_retry_s)
                     if attempt >= s.max_attempts and not contended:
                         raise self._gave_up(op, lost_before,
-                                            f"gave up after {attempt} attempts: {exc}",
+                                            f"gave up after {attempt} attempts: {_said(exc)}",
                                             state) from exc
                     if end is not None and time.monotonic() + delay >= end:
                         raise self._gave_up(op, lost_before, f"the request deadline passed "
-                                            f"after {attempt} attempt(s): {exc}",
+                                            f"after {attempt} attempt(s): {_said(exc)}",
                                             state) from exc
                     await asyncio.sleep(delay)
                     continue
@@ -569,7 +569,7 @@ class Database:
                 if attempt >= s.max_attempts or (
                         end is not None and time.monotonic() + delay >= end):
                     raise errors.DatabaseUnavailable(
-                        f"the database connection failed during a read ({exc}); "
+                        f"the database connection failed during a read ({_said(exc)}); "
                         "nothing was changed, retry later") from exc
                 await asyncio.sleep(delay)
 
@@ -800,6 +800,17 @@ def _send(pgconn: Any, query: bytes, alive_first: bool = False) -> None:
         pgconn.send_query(query)
     except psycopg.OperationalError as exc:
         raise _NotSent(str(exc)) from exc
+
+
+def _said(exc: psycopg.errors.Error) -> str:
+    """What the server (or the driver) said, in one line: its primary message, without
+    the CONTEXT, DETAIL and HINT lines (which name pgreserve's functions and their
+    lines) that psycopg appends. Busy and OutcomeUnknown carry it to API answers."""
+    primary = exc.diag.message_primary
+    if primary:
+        return str(primary)
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
 
 
 def _connection_lost(exc: psycopg.errors.Error, state: str) -> bool:
