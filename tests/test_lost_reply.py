@@ -19,6 +19,7 @@ from conftest import ApiTenant
 from pgreserve import Database, ReservationService
 from pgreserve.db.embedded import EmbeddedServer
 from pgreserve.errors import OutcomeUnknown
+from pgreserve.rollout.modes import Mode, set_mode
 from test_http_api import assert_problem, put_stock
 
 
@@ -101,15 +102,24 @@ async def test_conditional_counts_whose_reply_was_lost_are_unknown_not_412(
     assert (now["on_hand"], now["version"]) == (7, 1)
 
 
-async def test_a_plain_count_whose_reply_was_lost_is_run_again_and_answered(
+async def test_a_plain_count_whose_reply_was_lost_is_unknown_and_done_once(
         api: ApiTenant, pg_server: EmbeddedServer, dsn: str) -> None:
-    """A count without a condition is the same count run twice: its lost reply is
-    retried and answered 200 with the count."""
-    assert (await put_stock(api, "tee", 5)).status_code == 201
+    """A count without a condition that creates its line, and one that changes it, commit
+    and lose the reply. Run again, the first would answer 200 "created": false for the
+    line it created, and each would write a second stock.changed event: 503
+    outcome_unknown instead, each done once."""
     with reply_lost_after_commit(pg_server, dsn, "stock_bucket"):
-        again = await api.client.put("/v1/stock/wh/tee", json={"on_hand": 20})
-    assert again.status_code == 200, again.text
-    assert again.json()["on_hand"] == 20
+        created = await api.client.put("/v1/stock/wh/tee", json={"on_hand": 5})
+    assert_problem(created, 503, "outcome_unknown")
+    with reply_lost_after_commit(pg_server, dsn, "stock_bucket"):
+        counted = await api.client.put("/v1/stock/wh/tee", json={"on_hand": 20})
+    assert_problem(counted, 503, "outcome_unknown")
+    now = (await api.client.get("/v1/stock/wh/tee")).json()
+    assert (now["on_hand"], now["version"]) == (20, 2)
+    with psycopg.connect(dsn) as conn:
+        changes = conn.execute("SELECT count(*) FROM outbox_event"
+                               " WHERE type = 'stock.changed'").fetchone()
+    assert changes == (2,)
 
 
 async def test_admin_writes_whose_reply_was_lost_are_unknown(
@@ -136,6 +146,19 @@ async def test_admin_writes_whose_reply_was_lost_are_unknown(
         await svc.create_tenant("globex")
     assert [t.name for t, _ in await svc.tenants()].count("globex") == 1
 
+    with reply_lost_after_commit(pg_server, dsn, "stock_freeze"), \
+            pytest.raises(OutcomeUnknown):
+        await svc.freeze(tenant.id, "recount", "ops", sku="tee", location="wh")
+    assert len(await svc.freezes(tenant.id)) == 1
+
+    with reply_lost_after_commit(pg_server, dsn, "rollout_mode"), \
+            pytest.raises(OutcomeUnknown):
+        await set_mode(db, tenant.id, Mode.PRIMARY, "ops")
+    with psycopg.connect(dsn) as conn:
+        switches = conn.execute("SELECT from_mode, to_mode FROM rollout_mode_change"
+                                " WHERE tenant_id = %s", (tenant.id,)).fetchall()
+    assert switches == [("pgreserve", "primary")]
+
 
 async def test_a_connection_ended_while_idle_is_retried_not_unknown(
         db: Database, dsn: str) -> None:
@@ -155,3 +178,15 @@ async def test_a_connection_ended_while_idle_is_retried_not_unknown(
     for name in ("globex", "initech"):
         assert (await svc.create_tenant(name)).name == name
     assert db.stats.connection_retried > retried
+
+
+async def test_a_call_on_a_closed_pool_was_never_sent(dsn: str) -> None:
+    """A write that must not run twice, on a database whose pool is closed, reached no
+    server: Busy, never OutcomeUnknown ("it may have committed")."""
+    from pgreserve.errors import Busy
+
+    db = Database(dsn, max_size=2)
+    await db.open()
+    await db.close()
+    with pytest.raises(Busy):
+        await ReservationService(db, batching=False).create_tenant("acme")

@@ -1889,10 +1889,10 @@ async def refusal_not_recorded(rollout: Rollout, service: ReservationService,
     real_fetch = service.db.fetch
 
     async def failing_fetch(sql: Any, params: Any = (), *, op: Any = None,
-                            read_committed: bool = False) -> Any:
+                            **options: Any) -> Any:
         if op is not None and op.action == "rollout_refusal_record":
             raise errors.DatabaseUnavailable("no connection free")
-        return await real_fetch(sql, params, op=op, read_committed=read_committed)
+        return await real_fetch(sql, params, op=op, **options)
 
     service.db.fetch = failing_fetch  # type: ignore[method-assign]
     try:

@@ -486,10 +486,10 @@ class ReservationService:
             (tenant, sku, location, on_hand, chosen.value if chosen else None, force,
              pool_cap, versions, exists, safety_stock, backorder_limit, self.clock()),
             op=OPS["stock_set"],
-            # a count is the same count run twice; one under a version or create-only
-            # condition is refused the second time (412: the version moved, or the
-            # line exists now)
-            replay_safe=versions is None and exists is not False,
+            # not run again after a lost reply: the second run would say the line was
+            # not created by it, write a second stock.changed event, or be refused
+            # (412: the version moved, or the line exists now)
+            replay_safe=False,
         )
         _raise_if_precondition_failed(doc, sku, location)
         return StockView.from_json(doc)
@@ -947,7 +947,7 @@ class ReservationService:
         if not reason:
             raise InvalidRequest("a freeze needs a reason", field="reason")
         doc = await self.db.call(queries["freeze_set"], (tenant, bucket, reason, by),
-                                 op=OPS["freeze_set"])
+                                 op=OPS["freeze_set"], replay_safe=False)
         return Freeze.from_json(doc)
 
     async def unfreeze(self, tenant: int, reason: str, by: str, *, sku: str | None = None,

@@ -407,15 +407,16 @@ class Database:
         while True:
             attempt += 1
             wait = 0.0
+            progress = _Progress()
             try:
                 wait = self._pool_wait(end)
                 if session is not None:
                     conn = await session.connection(wait)
                     result = await self._run(conn, sql, params, end, wait_for_units,
-                                             not replay_safe)
+                                             not replay_safe, progress)
                 else:
                     result = await self._once(sql, params, op, wait, end, wait_for_units,
-                                              not replay_safe)
+                                              not replay_safe, progress)
                 if lost_before:
                     self._emit(op, "unknown_outcome_resolved")
                 return result
@@ -430,7 +431,7 @@ class Database:
                 self._raise_refused(op, exc, lost_before)
                 state = exc.sqlstate or ""
                 lost = _connection_lost(exc, state)
-                sent = lost and not isinstance(exc, _NotSent)
+                sent = lost and progress.sent
                 if sent and not replay_safe:
                     self._emit(op, "unknown_outcome")
                     raise errors.OutcomeUnknown(
@@ -476,14 +477,17 @@ class Database:
 
     async def _once(self, sql: LiteralString, params: Sequence[Any],
                     op: Op | None, wait: float, end: float | None,
-                    wait_for_units: Collection[str] = (), alive_first: bool = False) -> Any:
+                    wait_for_units: Collection[str] = (), alive_first: bool = False,
+                    progress: _Progress | None = None) -> Any:
         pool = await self._pool_for(op)
         async with pool.connection(timeout=wait) as conn:
-            return await self._run(conn, sql, params, end, wait_for_units, alive_first)
+            return await self._run(conn, sql, params, end, wait_for_units, alive_first,
+                                   progress)
 
     async def _run(self, conn: psycopg.AsyncConnection[Any], sql: LiteralString,
                    params: Sequence[Any], end: float | None = None,
-                   wait_for_units: Collection[str] = (), alive_first: bool = False) -> Any:
+                   wait_for_units: Collection[str] = (), alive_first: bool = False,
+                   progress: _Progress | None = None) -> Any:
         statement = self._statement(sql)
         begin = self._begin_until(end)  # before anything is sent
         if wait_for_units:  # bucket ids: digits only (_wait_for_units)
@@ -502,6 +506,8 @@ class Database:
         pgconn = conn.pgconn
         try:
             _send(pgconn, begin + statement.render(adapt, params), alive_first)
+            if progress is not None:
+                progress.sent = True
             results = await _results(conn, end)
         except BaseException:
             await _roll_back(conn)
@@ -529,15 +535,16 @@ class Database:
 
     async def fetch(self, sql: LiteralString,
                     params: Sequence[Any] | Mapping[str, Any] = (), *,
-                    op: Op | None = None,
-                    read_committed: bool = False) -> list[tuple[Any, ...]]:
+                    op: Op | None = None, read_committed: bool = False,
+                    replay_safe: bool = True) -> list[tuple[Any, ...]]:
         """Run a query in a transaction of its own and return all rows.
 
         Like `call`, one message: BEGIN with the schema's search_path, the query
         (values bound on the client) and COMMIT; the server's own isolation and
         limits apply, as they do to an autocommit statement (`read_committed`: READ
         COMMITTED whatever the server's default, for a function whose statements
-        must each see what committed before them). The wait for a
+        must each see what committed before them). `replay_safe=False`: a statement
+        that writes and whose second run would answer otherwise, as for `call`. The wait for a
         connection is bounded as in `call`; a lost connection is retried within
         the deadline, then DatabaseUnavailable (a read changes nothing); lock
         and statement timeouts are Busy."""
@@ -547,12 +554,13 @@ class Database:
         while True:
             attempt += 1
             wait = 0.0
+            progress = _Progress()
             try:
                 wait = self._pool_wait(end)
                 pool = await self._pool_for(op)
                 async with pool.connection(timeout=wait) as conn:
                     return await self._read(conn, tagged(sql, op), params, end,
-                                            read_committed)
+                                            read_committed, progress, not replay_safe)
             except _Late:
                 raise self._gave_up(op, False, "the request deadline passed") from None
             except PoolTimeout as exc:
@@ -563,6 +571,12 @@ class Database:
                 self._raise_refused(op, exc, False)
                 if not _connection_lost(exc, exc.sqlstate or ""):
                     raise
+                if progress.sent and not replay_safe:
+                    self._emit(op, "unknown_outcome")
+                    raise errors.OutcomeUnknown(
+                        f"the database connection was lost after the statement was sent "
+                        f"({_said(exc)}), so it may have committed; it is not run again: "
+                        "read the state before trying again") from exc
                 self.stats.connection_retried += 1
                 self._emit(op, "connection_retried")
                 delay = self._backoff(attempt)
@@ -575,14 +589,17 @@ class Database:
 
     async def _read(self, conn: psycopg.AsyncConnection[Any], sql: LiteralString,
                     params: Sequence[Any] | Mapping[str, Any],
-                    end: float | None = None,
-                    read_committed: bool = False) -> list[tuple[Any, ...]]:
+                    end: float | None = None, read_committed: bool = False,
+                    progress: _Progress | None = None,
+                    alive_first: bool = False) -> list[tuple[Any, ...]]:
         text = psycopg.AsyncClientCursor(conn).mogrify(sql, params).encode(
             conn.info.encoding)
         pgconn = conn.pgconn
         try:
             begin = self._begin_read_committed if read_committed else self._begin_read
-            pgconn.send_query(begin + text + self._commit)
+            _send(pgconn, begin + text + self._commit, alive_first)
+            if progress is not None:
+                progress.sent = True
             results = await _results(conn, end)
         except BaseException:
             await _roll_back(conn)
@@ -778,28 +795,32 @@ async def _roll_back(conn: psycopg.AsyncConnection[Any]) -> None:
         await conn.execute(queries["transaction_rollback"], prepare=False)
 
 
-class _NotSent(psycopg.OperationalError):
-    """The connection failed while the statement was being handed to it: the server
-    never had the whole message (one simple-query message, run only once whole), so
-    nothing of it ran."""
+class _Progress:
+    """How far one attempt of a call got: `sent` once its statement was handed to the
+    connection whole. Until then nothing of it can have run (the server runs a
+    simple-query message only once it has all of it): a failure taking a connection
+    (a closed pool), or the connection's before or while sending, is retried, never
+    reported as a possible commit."""
+
+    __slots__ = ("sent",)
+
+    def __init__(self) -> None:
+        self.sent = False
 
 
 def _send(pgconn: Any, query: bytes, alive_first: bool = False) -> None:
     """Send `query`; `alive_first`: read what the server sent the idle connection first
-    (one non-blocking read), so a connection the server ended while it sat in the pool
-    (a restart, a terminated backend: its goodbye and end of stream are waiting) fails
+    (non-blocking reads), so a connection the server ended while it sat in the pool (a
+    restart, a terminated backend: its goodbye and end of stream are waiting) fails
     here, unsent, and is retried on another, instead of failing after the send, where
     the outcome of a call that must not run twice would be unknown."""
-    try:
-        if alive_first:
-            # (the goodbye first, then a second read meets the end of stream)
-            pgconn.consume_input()
-            pgconn.consume_input()
-            if pgconn.status != pq.ConnStatus.OK:
-                raise psycopg.OperationalError("the connection was closed while idle")
-        pgconn.send_query(query)
-    except psycopg.OperationalError as exc:
-        raise _NotSent(str(exc)) from exc
+    if alive_first:
+        # (the goodbye first, then a second read meets the end of stream)
+        pgconn.consume_input()
+        pgconn.consume_input()
+        if pgconn.status != pq.ConnStatus.OK:
+            raise psycopg.OperationalError("the connection was closed while idle")
+    pgconn.send_query(query)
 
 
 def _said(exc: psycopg.errors.Error) -> str:

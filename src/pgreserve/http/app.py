@@ -27,7 +27,7 @@ from psycopg_pool import PoolTimeout
 from .. import errors
 from ..core.service import Clock, ReservationService
 from ..db import schema as schemas
-from ..db.database import Database, current_deadline
+from ..db.database import Database, current_deadline, deadline_at
 from ..ops import web
 from ..ops.pgbouncer import PgBouncerMonitor
 from ..rollout import Rollout
@@ -198,7 +198,9 @@ class OpenOnFirstUse:
         state = self.api.state
         task: asyncio.Task[None] | None = state.opening
         if task is None or (task.done() and state.service is None):
-            task = state.opening = asyncio.create_task(self._open(scope))
+            with deadline_at(None):  # (not this request's: the opening outlives it, and
+                # what it starts, the rollout's sweeper, runs for the process's life)
+                task = state.opening = asyncio.create_task(self._open(scope))
             # (its failure is read by the requests waiting, or here if none is left)
             task.add_done_callback(lambda done: done.cancelled() or done.exception())
         end = current_deadline()

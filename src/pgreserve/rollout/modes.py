@@ -127,9 +127,11 @@ async def set_mode(db: Database, tenant: int, mode: Mode | str, changed_by: str,
                 "Count every bucket again (PUT /v1/stock) and let the holds taken since "
                 "end, then switch with --force; or stay in primary.")
     try:
+        # (not run again after a lost reply: its second run would report the new mode
+        # as the prior one and record a second switch)
         rows = await db.fetch(queries["rollout_mode_set"],
                               {"tenant": tenant, "mode": chosen.value, "by": changed_by},
-                              op=OP_MODE_SET)
+                              op=OP_MODE_SET, replay_safe=False)
     except psycopg.errors.ForeignKeyViolation:
         raise errors.UnknownTenant(f"unknown tenant {tenant}") from None
     return Mode(rows[0][0])
