@@ -32,6 +32,7 @@ from pgreserve.rollout import Mode, RedisHoldStore, Rollout, set_mode
 from pgreserve.rollout import report as reports
 from pgreserve.rollout.comparison import Comparison, Recorder, RolloutMetrics
 from redisserver import RedisServer, free_port
+from test_http_api import assert_problem
 
 BIN = Path(sys.executable).parent / "pgreserve"
 _ns = itertools.count()
@@ -2418,3 +2419,57 @@ async def test_a_shadow_refusal_stays_the_answer_once_redis_is_no_longer_asked(
     assert not later.held and later.short_lines == first.short_lines
     assert (await service.lookup_request(tenant.id, "k")).status == "rejected"
     assert (await service.get_stock(tenant.id, "a", "x")).available == 1
+
+
+async def test_lookup_by_key_never_answers_for_the_legacy_store(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        db: Database) -> None:
+    """GET /v1/requests/{key} reads pgreserve's stored answers. In legacy pgreserve keeps
+    none (a 404 said "never used" of a key Redis held under: a client resolving a lost
+    reply held again), and in shadow it keeps its twin's, whose id the caller was never
+    given (claiming it sold in pgreserve beside Redis's hold). Both are 409
+    unsupported_in_rollout_mode, and so is a key Redis answered in shadow once the
+    tenant is in primary; a key answered in primary is looked up as always."""
+    created, key = await service.create_tenant_with_key("shop")
+    await seed(service, store, created.id, "tee", 3)
+    app = create_app(database=db, rollout=rollout)
+    line = {"lines": [{"sku": "tee", "location": "berlin", "quantity": 1}], "ttl_seconds": 60}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                 headers={"Authorization": f"Bearer {key}"}) as client:
+        async def hold(request_key: str) -> str:
+            made = await client.post("/v1/reservations", json=line,
+                                     headers={"Idempotency-Key": request_key})
+            assert made.status_code == 201, made.text
+            return str(made.json()["id"])
+
+        await set_mode(db, created.id, Mode.LEGACY, "test")
+        await hold("in-legacy")
+        assert_problem(await client.get("/v1/requests/in-legacy"), 409,
+                       "unsupported_in_rollout_mode")
+        await set_mode(db, created.id, Mode.SHADOW, "test")
+        await hold("in-shadow")
+        assert_problem(await client.get("/v1/requests/in-shadow"), 409,
+                       "unsupported_in_rollout_mode")
+        await set_mode(db, created.id, Mode.PRIMARY, "test")
+        for answered_by_redis in ("in-legacy", "in-shadow"):
+            assert_problem(await client.get(f"/v1/requests/{answered_by_redis}"), 409,
+                           "unsupported_in_rollout_mode")
+        mine = await hold("in-primary")
+        looked = await client.get("/v1/requests/in-primary")
+        assert looked.status_code == 200 and looked.json()["answer"]["id"] == mine
+        assert_problem(await client.get("/v1/requests/never"), 404, "request_not_found")
+
+
+async def test_rollout_cli_refuses_an_empty_by_and_an_empty_tenant(
+        service: ReservationService, db: Database) -> None:
+    """`rollout set T MODE --by ""` was taken as no --by (user@host recorded), and
+    `rollout report --tenant ""` reported every tenant: both exit non-zero with a
+    message now, and nothing is switched."""
+    await service.create_tenant("t1")
+    by = await run(str(BIN), "rollout", "set", "t1", "shadow", "--by", "",
+                   "--database-url", db.conninfo, check=False)
+    assert by.returncode != 0 and "changed_by" in by.stderr, (by.stdout, by.stderr)
+    assert await db.fetch("SELECT 1 FROM rollout_mode_change", ()) == []
+    report = await run(str(BIN), "rollout", "report", "--tenant", "", "--json",
+                       "--database-url", db.conninfo, check=False)
+    assert report.returncode != 0 and report.stdout == "", (report.stdout, report.stderr)

@@ -78,7 +78,9 @@ def rollout_set(tenant: str, mode: str, changed_by: str | None, force: bool,
     within a second. Holds already taken finish under the mode they were taken in. Back
     to legacy or shadow is refused while Redis missed writes since the switch to primary,
     and after a stay in pgreserve mode (see --force)."""
-    who = changed_by or f"{getpass.getuser()}@{socket.gethostname()}"
+    # (an empty --by is refused by set_mode, never taken for the default)
+    who = (changed_by if changed_by is not None
+           else f"{getpass.getuser()}@{socket.gethostname()}")
 
     async def go(db: Database) -> Mode:
         return await set_mode(db, await _tenant_id(db, tenant), mode, who, force=force)
@@ -154,7 +156,7 @@ def rollout_report(tenant_name: str | None, limit: int, as_json: bool,
     disagreements (request key, both outcomes, both latencies)."""
 
     async def go(db: Database) -> Any:
-        tenant = await _tenant_id(db, tenant_name) if tenant_name else None
+        tenant = await _tenant_id(db, tenant_name) if tenant_name is not None else None
         return await reports.report(db, tenant, limit)
 
     summary, latest = _with_db(database_url, data_dir, go)

@@ -385,6 +385,20 @@ class RedisHoldStore:
                 _mark(doc))
 
     @_answered
+    async def answer_mode(self, tenant: int, request_key: str) -> str | None:
+        """The mode Redis's answer under a request key was given in (its hold's; a
+        refusal's own, '' when it predates the field), or None when Redis keeps none
+        (or its hold record is gone). Writes nothing."""
+        raw = await self.redis.get(self.key(tenant, "req", request_key))
+        if raw is None:
+            return None
+        doc = json.loads(raw)
+        if doc["held"]:
+            record = await self.record(tenant, doc["id"])
+            return None if record is None else record.mode
+        return str(doc.get("mode", ""))
+
+    @_answered
     async def record(self, tenant: int, hold_id: str) -> HoldRecord | None:
         """The hold as Redis keeps it, or None (never taken here, or ended over a day ago)."""
         raw = cast(dict[bytes, bytes],

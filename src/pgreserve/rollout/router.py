@@ -49,6 +49,7 @@ from ..domain import (
     DEFAULT_TTL,
     MIN_TTL,
     Line,
+    RequestRecord,
     Reservation,
     ReservationPage,
     ReserveOutcome,
@@ -580,6 +581,37 @@ class Rollout:
         if record is not None and Mode(record.mode).answers_from_redis:
             return record.reservation()
         return await self.service.get_reservation(tenant, rid)
+
+    async def lookup_request(self, tenant: int, request_key: str) -> RequestRecord:
+        """The answer stored under a request key (ReservationService.lookup_request).
+
+        While Redis answers for the tenant (legacy, shadow) the caller's answers are
+        Redis's: pgreserve keeps none, or in shadow its twin's, which the caller was
+        never told (a claim of the twin's id would sell beside Redis's hold). So the
+        lookup raises UnsupportedInRolloutMode then, and afterwards, while Redis may
+        still hold (primary, and the day after), for a key Redis answered in one of
+        those modes. Busy when Redis does not answer then (whose answer it was cannot
+        be told)."""
+        tenant = check.tenant_id(tenant)
+        key = check.request_key(request_key)
+        entry = await self.modes.get(tenant)
+        if entry.mode.answers_from_redis:
+            raise UnsupportedInRolloutMode(
+                f"the tenant is in rollout mode {entry.mode.value}: the legacy store "
+                "answers, and its answers are not looked up by request key")
+        if entry.redis_may_hold(utcnow()):
+            try:
+                given_in = await self.store.answer_mode(tenant, key)
+            except Exception as exc:
+                self.metrics.secondary_failures.labels("legacy", "read").inc()
+                raise Busy("the legacy store did not answer, and it may have answered "
+                           "this request key; retry later") from exc
+            if given_in is not None and given_in in ("", *_REDIS_ANSWERED):
+                raise UnsupportedInRolloutMode(
+                    f"this request key was answered by the legacy store (in mode "
+                    f"{given_in or 'legacy'}), whose answers are not looked up by key: "
+                    "read the reservation by the id that answer gave")
+        return await self.service.lookup_request(tenant, key)
 
     async def list_reservations(self, tenant: int, *, reference: str | None = None,
                                 status: Iterable[str] | str | None = None,

@@ -12,7 +12,7 @@ from starlette.responses import Response
 from ... import errors
 from ...domain import RequestRecord, Reservation, ReserveOutcome, StockView
 from .. import problems
-from ..dependencies import PathName, Service, Tenant, stored_name
+from ..dependencies import Holds, PathName, Tenant, stored_name
 from ..models import RequestOut, reservation_doc, stock_doc
 from ..responses import COMMON, json_response
 from .reservations import change_response, reserve_response
@@ -40,10 +40,10 @@ register_url_convertor("request_key", RequestKeyConvertor())
             responses=problems.responses(404, 409, *COMMON),
             summary="The stored answer under an Idempotency-Key, and the reservation it "
                     "names as it is now")
-async def get_request(key: PathName, tenant: Tenant, svc: Service) -> Response:
+async def get_request(key: PathName, tenant: Tenant, holds: Holds) -> Response:
     wanted = stored_name(key, "key")
     try:
-        record = await svc.lookup_request(tenant, wanted)
+        record = await holds.lookup_request(tenant, wanted)
     except errors.RequestNotFound as missing:
         # The path is read as UTF-8, a header as ISO-8859-1 (as HTTP reads it): a key
         # sent in Idempotency-Key as UTF-8 bytes was stored as those bytes' ISO-8859-1
@@ -52,7 +52,7 @@ async def get_request(key: PathName, tenant: Tenant, svc: Service) -> Response:
         if sent == wanted:
             raise
         try:
-            record = await svc.lookup_request(tenant, sent)
+            record = await holds.lookup_request(tenant, sent)
         except (errors.RequestNotFound, errors.InvalidRequest):
             raise missing from None
     return json_response(200, request_doc(record))
