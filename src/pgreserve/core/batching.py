@@ -378,16 +378,29 @@ class Combiner:
     async def _send_once(self, key: tuple[int, int], batch: Sequence[_Pending],
                          session: Session) -> tuple[_Pending | None, list[_Pending]]:
         tenant, bucket = key
-        requests = [p.request for p in batch]
         # requests that bring an API key to check go through the keyed function
-        keyed = any(r.api_key is not None for r in requests)
+        keyed = any(p.request.api_key is not None for p in batch)
         sql = queries["bucket_batch_keyed"] if keyed else queries["bucket_batch"]
-        api_keys = (lit.nullable_bytea_array(r.api_key for r in requests),) if keyed else ()
         until = self._batch_deadline(batch)
         for pending in batch:
             pending.sent_until = until
-        try:
-            answers = await self.db.call(sql, (
+        sent: Sequence[_Pending] = batch
+
+        def values() -> tuple[Any, ...]:
+            # Each attempt (a retry after a lost connection or a conflict, the halves
+            # of a split) sends only the requests not answered yet. One answered
+            # already (OutcomeUnknown at its deadline, while its batch was in flight)
+            # is not sent again: between attempts no transaction holds its key, and a
+            # lookup of the key then rightly says it has no answer; one sent again
+            # would commit after that.
+            nonlocal sent
+            sent = [p for p in batch if not p.future.done()]
+            if not sent:
+                raise _NothingLeft
+            requests = [p.request for p in sent]
+            api_keys = ((lit.nullable_bytea_array(r.api_key for r in requests),) if keyed
+                        else ())
+            return (
                 *api_keys, tenant, bucket,
                 lit.text_array(r.kind for r in requests),
                 lit.nullable_text_array(r.key for r in requests),
@@ -397,8 +410,13 @@ class Combiner:
                                         for r in requests),
                 lit.nullable_text_array(None if r.reservation_id is None
                                         else str(r.reservation_id) for r in requests),
-                self.clock(), *_references(requests)),
-                op=BATCH_OP, session=session, deadline=until)
+                self.clock(), *_references(requests))
+
+        try:
+            answers = await self.db.call(sql, values, op=BATCH_OP, session=session,
+                                         deadline=until)
+        except _NothingLeft:
+            return None, []
         except (errors.Busy, errors.OutcomeUnknown) as exc:
             # shared by every request of the batch: each resolves it by its key
             _fail(batch, exc)
@@ -415,14 +433,14 @@ class Combiner:
                 return first, [*rest, *batch[half:]]
             return await self._send(key, batch[half:], session)
         self.stats.batches += 1
-        self.stats.requests += len(batch)
-        if not isinstance(answers, list) or len(answers) != len(batch):
-            self.stats.sizes[len(batch)] += len(batch)
-            _fail(batch, RuntimeError("bucket_batch_v1 answered a different number of requests"))
+        self.stats.requests += len(sent)
+        if not isinstance(answers, list) or len(answers) != len(sent):
+            self.stats.sizes[len(sent)] += len(sent)
+            _fail(sent, RuntimeError("bucket_batch_v1 answered a different number of requests"))
             return None, []
         retried = None
         later: list[_Pending] = []
-        for pending, answer in zip(batch, answers, strict=True):
+        for pending, answer in zip(sent, answers, strict=True):
             if isinstance(answer, dict) and answer.get("deferred"):
                 later.append(pending)
                 continue
@@ -430,7 +448,7 @@ class Combiner:
                 retried = pending
             if not pending.future.done():
                 pending.future.set_result(answer)
-        decided = len(batch) - len(later)  # at least the retried one
+        decided = len(sent) - len(later)  # at least the retried one
         self.stats.requests -= len(later)
         self.stats.sizes[decided] += decided
         return retried, later
@@ -460,6 +478,10 @@ def _earliest(batch: Sequence[_Pending] | deque[_Pending]) -> float | None:
     """The earliest deadline of these requests (None: none has one)."""
     ends = [p.end for p in batch if p.end is not None]
     return min(ends) if ends else None
+
+
+class _NothingLeft(Exception):
+    """Every request of a batch was answered before an attempt to send it."""
 
 
 def _fail(batch: Sequence[_Pending], exc: BaseException) -> None:

@@ -373,7 +373,8 @@ class Database:
         holder to let others have a turn."""
         return Session(self, op)
 
-    async def call(self, sql: LiteralString, params: Sequence[Any] = (),
+    async def call(self, sql: LiteralString,
+                   params: Sequence[Any] | Callable[[], Sequence[Any]] = (),
                    *, op: Op | None = None, session: Session | None = None,
                    deadline: float | None = None, replay_safe: bool = True) -> Any:
         """Run one statement in its own transaction and return the first column of the first row.
@@ -382,6 +383,10 @@ class Database:
         whole transactions with bounded, jittered backoff (the operation is
         idempotent: by request key or by state). Lock and statement timeouts
         surface as Busy. Typed SQLSTATEs become their PgReserveError.
+
+        `params` may be a function, called for each attempt's values once it has its
+        connection (a batch sends again only the requests not answered yet); an
+        exception it raises ends the call.
 
         `replay_safe=False`: an operation whose second run would answer otherwise
         once the first committed (a conditional write: its condition no longer holds;
@@ -475,7 +480,8 @@ class Database:
                     continue
                 raise
 
-    async def _once(self, sql: LiteralString, params: Sequence[Any],
+    async def _once(self, sql: LiteralString,
+                    params: Sequence[Any] | Callable[[], Sequence[Any]],
                     op: Op | None, wait: float, end: float | None,
                     wait_for_units: Collection[str] = (), alive_first: bool = False,
                     progress: _Progress | None = None) -> Any:
@@ -485,11 +491,14 @@ class Database:
                                    progress)
 
     async def _run(self, conn: psycopg.AsyncConnection[Any], sql: LiteralString,
-                   params: Sequence[Any], end: float | None = None,
+                   params: Sequence[Any] | Callable[[], Sequence[Any]],
+                   end: float | None = None,
                    wait_for_units: Collection[str] = (), alive_first: bool = False,
                    progress: _Progress | None = None) -> Any:
         statement = self._statement(sql)
         begin = self._begin_until(end)  # before anything is sent
+        if callable(params):  # (its values as of now, once a connection is had)
+            params = params()
         if wait_for_units:  # bucket ids: digits only (_wait_for_units)
             begin += b"SET LOCAL pgreserve.wait_for_units = '%s'; " % ",".join(
                 sorted(wait_for_units)).encode()
