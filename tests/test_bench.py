@@ -13,8 +13,10 @@ from click.testing import CliRunner
 
 from pgreserve.bench import Scenario, plan, run_scenario
 from pgreserve.bench.cli import make_flash_sale
+from pgreserve.bench.meter import ServerMeter
 from pgreserve.bench.processes import split
 from pgreserve.bench.runner import BeforeCheck, CheckContext
+from pgreserve.db.connect import connect_async
 from pgreserve.errors import InvalidRequest
 
 RUN_FIELDS = {"strategy", "requests", "held", "rejected", "errors", "retries",
@@ -456,3 +458,60 @@ def test_the_docs_say_where_batched_and_unbatched_are_compared() -> None:
     assert "`bench http` starts `pgreserve serve`, which always batches" in text
     assert not any("batch" in arg for arg in service_argv("postgresql://x/y", 1, 1))
     assert "batch" not in CliRunner().invoke(main, ["serve", "--help"]).output.lower()
+
+
+async def test_statement_time_fallback_counts_each_statement_once(dsn: str) -> None:
+    """The CPU fallback (`cpu_source: pg_stat_statements`, used when /proc does not show
+    the server) sums the top-level statements' time of this database: with track = all
+    (what the embedded server and doctor ask for) a function's own statements are
+    listed beside its call, and summing them too read 0.3 s of execution as 0.6 s."""
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        await conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        track = await (await conn.execute("SHOW pg_stat_statements.track")).fetchone()
+        assert track is not None and track[0] == "all"
+        await conn.execute("CREATE OR REPLACE FUNCTION public.bench_nap() RETURNS void "
+                           "LANGUAGE plpgsql AS $$ BEGIN PERFORM pg_sleep(0.3); END $$")
+    meter = ServerMeter(await connect_async(dsn), None, True)
+    assert meter.source == "pg_stat_statements"
+    try:
+        before = await meter.read()
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            await conn.execute("SELECT public.bench_nap()")
+        after = await meter.read()
+    finally:
+        await meter.close()
+    assert before.server_cpu_s is not None and after.server_cpu_s is not None
+    spent = after.server_cpu_s - before.server_cpu_s
+    # one 0.3 s call: the figure must be about 0.3 s, not twice that
+    assert 0.25 < spent < 0.45, f"0.3 s of statement time counted as {spent:.3f} s"
+
+
+def test_takes_long_run_is_a_pool_bucket_as_documented(dsn: str, tmp_path: Path) -> None:
+    """`--takes N` is N single-unit holds on one pool bucket (docs/benchmarks.md,
+    --help): with --strategy row it ran a row bucket without a word; it is refused
+    now (exit 2), and --strategy pool runs the pool."""
+    out = tmp_path / "b.json"
+    result = CliRunner().invoke(make_flash_sale(), [
+        "--database-url", dsn, "--json", str(out), "--takes", "20", "--window", "5",
+        "--buyers", "2", "--batching", "on", "--strategy", "row", "--quiet"])
+    doc = json.loads(out.read_text()) if out.exists() else {}
+    assert result.exit_code == 2 and "--takes" in result.output, (result.output, doc)
+
+
+def test_an_unmeasured_client_retry_count_is_not_printed_as_zero() -> None:
+    """A run whose buyers' retry counters were not read (--target http: the Database
+    is the API server's, and the JSON has no client_* figure) says n/a in the table,
+    not a 0 nobody measured."""
+    from collections import Counter
+
+    from pgreserve.bench.report import _rows
+    from pgreserve.bench.results import HELD, RunResult, Sample
+    from pgreserve.bench.scenario import Scenario
+
+    scenario = Scenario(units=1, requests=1, buyers=1)
+    run = RunResult("row", scenario, [Sample(0, 0.0, 0.01, HELD, 1)], 0.02,
+                    error_kinds=Counter(), target="http")
+    assert "client_deadlocks_retried" not in run.to_dict()["db"]  # not measured
+    (note,) = [n for label, _, n in _rows(scenario, run)
+               if label == "deadlocks / commits / rollbacks"]
+    assert "retried n/a deadlocks" in note, note

@@ -272,8 +272,11 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
             "strategies": strategies, "batching": modes}
         try:
             if takes is not None:
-                if strategy == "all":
-                    common["strategies"] = ("pool",)
+                if strategy == "row":
+                    raise click.BadParameter("the long run (--takes) is one pool bucket: "
+                                             "use --strategy pool (or all)",
+                                             param_hint="--strategy")
+                common["strategies"] = ("pool",)
                 scenario = Scenario.long_run(takes, **common)
             else:
                 scenario = Scenario(

@@ -98,7 +98,7 @@ def _rows(scenario: Scenario, run: RunResult) -> list[tuple[str, str, str]]:
         f"{db.get('deadlocks', 'n/a')} / {db.get('xact_commit', 'n/a')} / "
         f"{db.get('xact_rollback', 'n/a')}",
         "pg_stat_database delta; client retried "
-        f"{db.get('client_deadlocks_retried', 0)} deadlocks")
+        f"{db.get('client_deadlocks_retried', 'n/a')} deadlocks")
     book = run.ledger
     if book is not None:
         add("sold + held + available", f"{run.claimed_units:,} + {book.held:,} + "

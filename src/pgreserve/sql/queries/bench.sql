@@ -62,9 +62,11 @@ SELECT pg_backend_pid(), pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint,
  (SELECT wal_bytes FROM pg_stat_wal)::bigint;
 
 -- name: statement_time_read
--- Milliseconds spent executing statements, all databases (the fallback when the
--- server's processes are not visible in /proc).
-SELECT coalesce(sum(total_exec_time), 0)::float8 FROM pg_stat_statements;
+-- Milliseconds spent executing statements in this database (the fallback when the
+-- server's processes are not visible in /proc): top-level statements only, since
+-- with track = all a function's own statements are counted again inside its call.
+SELECT coalesce(sum(total_exec_time), 0)::float8 FROM pg_stat_statements
+WHERE toplevel AND dbid = (SELECT oid FROM pg_database WHERE datname = current_database());
 
 -- name: durability_settings_read
 -- What a commit of this session waits for, and whether it reaches the disk at all
