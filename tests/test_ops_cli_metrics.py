@@ -84,3 +84,45 @@ def test_registered_collectors_are_exposed_beside_every_process_values() -> None
     assert "pgreserve_test_extra_clients 3.0" in text
     assert "pgreserve_claims_total 1.0" in text
     assert "pgreserve_test_extra_clients 3.0" in single
+
+
+def test_ops_bloat_warns_of_a_high_partition_no_vacuum_reached(dsn: str) -> None:
+    """`ops bloat` looks once, so it cannot see how long a partition has been high: a
+    partition of dead tuples only, on which no vacuum ran (autovacuum off), is a
+    warning, with its state in the human output too; once vacuumed, it is not. Before,
+    the command could never warn: its fresh monitor needed to see one high for 300 s."""
+    import asyncio
+
+    import psycopg
+
+    from pgreserve import Database, ReservationService
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for n in range(16):
+            conn.execute(f"ALTER TABLE stock_unit_p{n} SET (autovacuum_enabled = false)")
+
+    async def seed() -> int:
+        async with Database(dsn, max_size=2) as db:
+            svc = ReservationService(db)
+            shop = await svc.create_tenant("bloaty")
+            await svc.set_stock(shop.id, "hot", "wh", 300, strategy="pool", pool_cap=300)
+            return shop.id
+
+    tenant = asyncio.run(seed())
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DELETE FROM stock_unit WHERE tenant_id = %s", (tenant,))
+        conn.execute("SELECT pg_stat_force_next_flush()")
+    result = CliRunner().invoke(main, ["ops", "bloat", "--json", "--database-url", dsn])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    [bloated] = [p for p in doc["partitions"] if p["dead"] >= 300]
+    assert bloated["state"] == "warning" and doc["warnings"] == [bloated["partition"]]
+    human = CliRunner().invoke(main, ["ops", "bloat", "--database-url", dsn])
+    [line] = [x for x in human.output.splitlines() if x.startswith(bloated["partition"] + " ")]
+    assert " warning " in line, line
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"VACUUM {bloated['partition']}")
+        conn.execute("SELECT pg_stat_force_next_flush()")
+    again = json.loads(CliRunner().invoke(
+        main, ["ops", "bloat", "--json", "--database-url", dsn]).output)
+    assert again["warnings"] == []

@@ -851,13 +851,15 @@ def ops_holdtime(database_url: str | None, data_dir: str | None, seconds: float,
 @with_db
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def ops_bloat(database_url: str | None, data_dir: str | None, as_json: bool) -> None:
-    """Live and dead tuples, % dead and last autovacuum of every pool partition."""
+    """Live and dead tuples, % dead, state and last autovacuum of every pool partition
+    (one look: a partition over the dead share is a warning when no vacuum finished on
+    it for 5 minutes)."""
     from .ops.bloat import BloatMonitor
 
     async def go(dsn: str) -> Any:
         monitor = BloatMonitor(dsn)
         try:
-            return await monitor.check()
+            return await monitor.check(once=True)
         finally:
             await monitor.close()
 
@@ -871,7 +873,7 @@ def ops_bloat(database_url: str | None, data_dir: str | None, as_json: bool) -> 
                f"{'on' if report.pgstattuple else 'unavailable'}")
     for p in report.partitions:
         click.echo(f"{p.name:<14} live {p.live:>9} dead {p.dead:>9} {p.dead_pct:6.1f}% dead"
-                   f"  last autovacuum {p.last_autovacuum or '-'}")
+                   f"  {p.state:<7}  last autovacuum {p.last_autovacuum or '-'}")
 
 
 from .bench.cli import bench  # noqa: E402  (the bench group imports the core, not the CLI)

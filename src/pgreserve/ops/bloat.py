@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -122,8 +122,14 @@ class BloatMonitor:
                     log.info("pgstattuple unavailable: %s", exc)
         return self._pgstattuple
 
-    async def check(self) -> BloatReport:
-        """Read every pool partition once and update the warning states."""
+    async def check(self, *, once: bool = False) -> BloatReport:
+        """Read every pool partition once and update the warning states.
+
+        `once` (`pgreserve ops bloat`, one look): how long a partition has been high
+        cannot be seen, so a high one is `warning` when no vacuum (auto or manual) has
+        finished on it within `window_s` (autovacuum is not keeping up), `high`
+        otherwise; `high_for_s` is then the time since that last vacuum (`window_s`
+        when none is on record)."""
         conn = await self._connection()
         rows = await (await conn.execute(
             tagged(queries["pool_partition_stat_list"], PARTITIONS), (self.schema,))).fetchall()
@@ -137,7 +143,14 @@ class BloatMonitor:
             total = live + dead
             pct = 100.0 * dead / total if total else 0.0
             high = pct > cfg.dead_pct_warn and dead >= cfg.min_dead_tuples
-            if high:
+            if high and once:
+                vacuumed = max((t for t in (last_av, last_v) if t is not None), default=None)
+                high_for = ((datetime.now(UTC) - vacuumed).total_seconds()
+                            if vacuumed is not None else float("inf"))
+                state = "warning" if high_for >= cfg.window_s else "high"
+                if high_for == float("inf"):
+                    high_for = cfg.window_s
+            elif high:
                 since = self._high_since.setdefault(name, now)
                 high_for = now - since
                 state = "warning" if high_for >= cfg.window_s else "high"
