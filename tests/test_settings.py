@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from pgreserve.cli import main
-from pgreserve.settings import SPECS, Settings
+from pgreserve.settings import SPECS, ConfigFile, Settings
 from test_cli import pgr
 from test_cli_up import free_port
 
@@ -220,3 +220,26 @@ def test_the_schema_comes_from_the_file_and_a_bad_one_is_one_line(folder: Path) 
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"Error: {conf}: schema: "), result.output
+
+
+def test_a_bad_value_in_the_settings_file_is_refused_by_every_command(
+        tmp_path: Path) -> None:
+    """A value the file's key cannot take is refused (exit 2, one line naming the file and
+    the key) by every command that reads the file, also one that does not take that
+    option: a file shared by `serve` and `reconcile` with `workers = 0` made `reconcile`
+    run and `serve` fail later. Good values of keys a command does not take are still
+    accepted, and checking a schema name does not make it the process's."""
+    for line in ("workers = 0", "request_deadline_seconds = -5", 'port = "x"',
+                 'schema = "Bad-Name"', 'proxy_headers = "yes"'):
+        bad = tmp_path / "bad.toml"
+        bad.write_text(line + "\n")
+        result = CliRunner().invoke(main, ["tenant", "list", "--config", str(bad),
+                                           "--database-url", "postgresql:///nowhere"])
+        key = line.split(" ")[0]
+        assert result.exit_code == 2, (line, result.output)
+        assert str(bad) in result.output and key in result.output, (line, result.output)
+    good = tmp_path / "good.toml"
+    good.write_text('workers = 4\nschema = "elsewhere"\n')
+    before = os.environ.get("PGRESERVE_SCHEMA")
+    assert ConfigFile.read(good).values["workers"] == 4  # (read checks every value)
+    assert os.environ.get("PGRESERVE_SCHEMA") == before

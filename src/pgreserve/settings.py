@@ -25,6 +25,8 @@ from click.core import ParameterSource
 
 from .config import mask_password
 from .db.schema import DEFAULT_SCHEMA
+from .db.schema import check as check_schema_name
+from .errors import InvalidRequest
 from .schema_cli import use_option
 from .validation import MAX_KEY_RETENTION_HOURS
 
@@ -132,6 +134,16 @@ def _schema(ctx: click.Context, param: click.Parameter, value: str | None) -> st
     """--schema: checked, then this process's (and its children's) schema (db/schema.py);
     kept for the Settings the command does not receive it in."""
     ctx.meta.setdefault(_HIDDEN_META, {})["schema"] = use_option(ctx, param, value)
+    return value
+
+
+def _schema_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--schema's check alone (ConfigFile.check_values), with no effect on the process."""
+    if value is not None:
+        try:
+            check_schema_name(value)
+        except InvalidRequest as exc:
+            raise click.BadParameter(exc.message) from None
     return value
 
 
@@ -268,7 +280,29 @@ class ConfigFile:
                 close = difflib.get_close_matches(key, list(BY_KEY), n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise SettingsError(f"{path}: {key}: unknown setting{hint}")
-        return cls(path, doc)
+        found = cls(path, doc)
+        found.check_values()
+        return found
+
+    def check_values(self) -> None:
+        """Every value checked as its option would check it, whether or not the command
+        reading the file takes that option: a file shared by several commands is
+        refused by the first that reads a bad value, not by the one that uses it."""
+        ctx = click.Context(click.Command("settings"))
+        for key in self.values:
+            spec = BY_KEY[key]
+            is_flag = any("/" in d for d in spec.decls)
+            names = [*spec.decls, spec.param] if spec.dest else list(spec.decls)
+            param = (click.Option(names, is_flag=True) if is_flag
+                     else click.Option(names, type=spec.type))
+            value = self.convert(spec, param, ctx)
+            # (the checks only: --schema's own callback also makes it the process's)
+            check = _schema_name if spec.callback is _schema else spec.callback
+            if check is not None:
+                try:
+                    check(ctx, param, value)
+                except click.BadParameter as exc:
+                    raise SettingsError(f"{self.path}: {spec.key}: {exc.message}") from None
 
     def convert(self, spec: Spec, param: click.Parameter, ctx: click.Context) -> Any:
         """The file's value of `spec`, checked by type, then by the option's own type."""
