@@ -180,6 +180,29 @@ def test_a_busy_port_is_a_message(short_dir: Path) -> None:
     assert not (short_dir / "data").exists()
 
 
+def test_a_busy_ops_port_is_a_message_naming_it(short_dir: Path) -> None:
+    """`up` whose ops listener's port is taken exits 1 before starting a database, with
+    one line naming that address and --ops-port (before: uvicorn's error line, then a
+    message about the HTTP server on the API's free port); the same port for both is
+    refused the same way."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        with socket.socket() as spare:
+            spare.bind(("127.0.0.1", 0))
+            free = spare.getsockname()[1]
+        result = pgr("up", "--data-dir", str(short_dir / "data"), "--port", str(free),
+                     "--ops-port", str(busy))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"cannot listen on 127.0.0.1:{busy}" in result.stderr, result.stderr
+    assert "--ops-port" in result.stderr and "uvicorn" not in result.stderr
+    same = pgr("up", "--data-dir", str(short_dir / "data"), "--port", str(free),
+               "--ops-port", str(free))
+    assert same.returncode == 1 and "cannot share a port" in same.stderr, same.stderr
+    assert not (short_dir / "data").exists()
+
+
 def test_api_server_on_a_busy_port_returns_instead_of_raising_systemexit(dsn: str) -> None:
     """ApiServer.serve on a port taken after the check returns with started False (the
     caller reports it) instead of raising uvicorn's SystemExit out of its task."""

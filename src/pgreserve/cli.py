@@ -889,26 +889,45 @@ def _dsn(database_url: str | None, data_dir: str | None, *, create: bool = False
 
 
 def _check_listen(s: Settings) -> None:
-    """Fail with a message, before anything starts, when the API's address cannot be
-    listened on (a Unix socket's directory is checked with the settings)."""
+    """Fail with a message, before anything starts, when the API's address or the ops
+    listener's cannot be listened on, naming the option to change (a Unix socket's
+    directory is checked with the settings)."""
     import socket
 
-    if s.uds is not None:
-        return
-    host, port = s.host, s.port
+    api = None if s.uds is not None else (s.host, s.port)
+    ops = s.ops_address
+    if api is not None and ops is not None and api[1] == ops[1] and (
+            api[0] == ops[0] or "0.0.0.0" in (api[0], ops[0])  # noqa: S104 - compared only
+            or "::" in (api[0], ops[0])):
+        raise click.ClickException(
+            f"the API ({api[0]}:{api[1]}) and the ops listener ({ops[0]}:{ops[1]}) cannot "
+            "share a port: pass --ops-port N (PGRESERVE_OPS_PORT) or --port N")
+    bound = []
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise click.ClickException(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    family, kind, proto, _, addr = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(addr)
-        except OSError as exc:
-            raise click.ClickException(
-                f"cannot listen on {host}:{port}: {exc.strerror or exc}; stop what uses it "
-                f"or pass --port N (PGRESERVE_PORT)") from None
+        for address, option in ((api, "--port N (PGRESERVE_PORT)"),
+                                (ops, "--ops-port N (PGRESERVE_OPS_PORT), or --no-ops")):
+            if address is None:
+                continue
+            host, port = address
+            try:
+                infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                           flags=socket.AI_PASSIVE)
+            except socket.gaierror as exc:
+                raise click.ClickException(
+                    f"cannot listen on {host}:{port}: {exc.strerror}") from None
+            family, kind, proto, _, addr = infos[0]
+            probe = socket.socket(family, kind, proto)
+            bound.append(probe)
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(addr)
+            except OSError as exc:
+                raise click.ClickException(
+                    f"cannot listen on {host}:{port}: {exc.strerror or exc}; stop what uses "
+                    f"it or pass {option}") from None
+    finally:
+        for probe in bound:
+            probe.close()
 
 
 def _same_database_hint(dsn: str) -> str:
