@@ -2473,3 +2473,44 @@ async def test_rollout_cli_refuses_an_empty_by_and_an_empty_tenant(
     report = await run(str(BIN), "rollout", "report", "--tenant", "", "--json",
                        "--database-url", db.conninfo, check=False)
     assert report.returncode != 0 and report.stdout == "", (report.stdout, report.stderr)
+
+
+@pytest.mark.parametrize("later", [Mode.LEGACY, Mode.PRIMARY, Mode.PGRESERVE])
+async def test_a_shadow_refusal_by_rule_replays_refused_in_every_later_mode(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database, later: Mode) -> None:
+    """Shadow: a frozen bucket refuses (bucket_frozen), and Redis's hold is marked and
+    given back. That refusal is the key's answer in every later mode; before, legacy,
+    primary and pgreserve replayed Redis's released hold, which the caller never saw."""
+    await seed(service, store, tenant.id, "a", 5, location="x")
+    await set_mode(db, tenant.id, Mode.SHADOW, "test")
+    await service.freeze(tenant.id, "recount", "test@ops", sku="a", location="x")
+    cart = [("a", "x", 1)]
+    first = await rollout.reserve(tenant.id, "k", cart, ttl=60)
+    assert not first.held and first.reason == "bucket_frozen"
+    again = await rollout.reserve(tenant.id, "k", cart, ttl=60)
+    assert not again.held and again.reason == "bucket_frozen"
+    await set_mode(db, tenant.id, later, "test")
+    retry = await rollout.reserve(tenant.id, "k", cart, ttl=60)
+    assert (retry.held, retry.reason) == (False, "bucket_frozen"), (
+        retry.held, retry.reservation and retry.reservation.status)
+
+
+@pytest.mark.parametrize("later", [Mode.LEGACY, Mode.SHADOW])
+async def test_a_primary_refusal_replays_refused_after_going_back(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database, later: Mode) -> None:
+    """Primary: pgreserve refuses a frozen bucket (the caller's answer); Redis held the
+    cart, and its hold is marked and given back. Going back to legacy or shadow (allowed:
+    Redis missed nothing), the key replays the refusal, not Redis's released hold."""
+    await seed(service, store, tenant.id, "a", 5, location="x")
+    await set_mode(db, tenant.id, Mode.PRIMARY, "test")
+    await service.freeze(tenant.id, "recount", "test@ops", sku="a", location="x")
+    cart = [("a", "x", 1)]
+    first = await rollout.reserve(tenant.id, "k", cart, ttl=60)
+    assert not first.held and first.reason == "bucket_frozen"
+    await rollout.recorder.flush()
+    await set_mode(db, tenant.id, later, "test")
+    retry = await rollout.reserve(tenant.id, "k", cart, ttl=60)
+    assert (retry.held, retry.reason) == (False, "bucket_frozen"), (
+        retry.held, retry.reservation and retry.reservation.status)

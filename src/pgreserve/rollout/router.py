@@ -64,6 +64,8 @@ from ..errors import (
     IdempotencyKeyReused,
     InvalidRequest,
     OutcomeUnknown,
+    RequestInProgress,
+    RequestNotFound,
     ReservationClaimed,
     ReservationExpired,
     ReservationNotActive,
@@ -88,8 +90,9 @@ log = logging.getLogger(__name__)
 
 CLOCK_MARGIN = timedelta(seconds=5)
 # The pgreserve id a Redis hold is linked to when the caller was told pgreserve's
-# refusal by a rule instead (shadow mode: a freeze or a per-cart limit; the value
-# dates from when freezes were the only such rule): the hold was given back at once.
+# refusal instead (shadow mode: a freeze or a per-cart limit; primary: any refusal of
+# pgreserve's; the value dates from when freezes were the only such rule): the hold
+# was given back at once, and a replay of the key in any mode is that refusal.
 FROZEN_LINK = "frozen"
 
 OP_SALE = Op("rollout", "rollout_legacy_sale_record", "rollout/legacy-sale")
@@ -255,7 +258,7 @@ class Rollout:
             # the day after leaving primary: a key Redis answered first keeps that answer
             found = await self._redis_answer(tenant, key, fingerprint, cart)
             if found is not None and found[1] in _REDIS_ANSWERED:
-                return found[0]
+                return await self._as_told(tenant, key, found[0])
             pg = await self.service.reserve(tenant, key, cart, ttl=life, reference=ref,
                                             metadata=meta)
             if (pg.held and found is not None and found[2] is not None
@@ -278,7 +281,8 @@ class Rollout:
             return pg
         self.recorder.request(tenant)
         if mode is Mode.LEGACY:
-            return await self.store.reserve(tenant, key, fingerprint, cart, life)
+            return await self._as_told(
+                tenant, key, await self.store.reserve(tenant, key, fingerprint, cart, life))
         async with self.locks.hold(tenant, cart):
             if mode is Mode.SHADOW:
                 return await self._reserve_shadow(tenant, key, fingerprint, cart, life)
@@ -297,7 +301,27 @@ class Rollout:
         found = await self._redis_answer(tenant, key, fingerprint, cart)
         if found is None or found[1] not in answering:
             return None
-        return found[0]
+        return await self._as_told(tenant, key, found[0])
+
+    async def _as_told(self, tenant: int, key: str, legacy: ReserveOutcome) -> ReserveOutcome:
+        """Redis's answer under the key as the caller was told it: a replay of a hold
+        Redis gave back because the caller was told pgreserve's refusal (linked
+        FROZEN_LINK: shadow's rules, primary's refusals) is that refusal, as pgreserve
+        keeps it under the key, whatever the mode now; any other answer as it is (also
+        when pgreserve no longer keeps the key, or cannot be read: the caller has to
+        have some answer, and Redis's is the one it keeps)."""
+        if not (legacy.held and legacy.replayed):
+            return legacy
+        try:
+            record = await self.store.record(tenant, _rid(legacy))
+            if record is None or record.pg_id != FROZEN_LINK:
+                return legacy
+            stored = await self.service.lookup_request(tenant, key)
+        except (RequestNotFound, RequestInProgress):
+            return legacy
+        if stored.operation != "reserve" or stored.outcome.get("status") != "rejected":
+            return legacy
+        return ReserveOutcome.from_json({**stored.outcome, "replayed": True})
 
     async def _redis_answer(self, tenant: int, key: str, fingerprint: str, cart: list[Line],
                             ) -> tuple[ReserveOutcome, str, RefusalMark | None] | None:
@@ -350,7 +374,7 @@ class Rollout:
             else:  # the caller has Redis's own earlier hold: nobody will claim this one
                 await self._secondary(self.service.release(tenant, _rid(pg)), "pgreserve",
                                       "release")
-        return legacy
+        return await self._as_told(tenant, key, legacy)
 
     async def _answered_in_legacy(self, tenant: int, key: str, fingerprint: str,
                                   cart: list[Line]) -> bool:
@@ -448,6 +472,10 @@ class Rollout:
                                       "release")
             return pg
         if legacy.held and not pg.held and not legacy.replayed:
+            # the caller is told pgreserve's refusal: Redis's hold is marked so, then
+            # given back, so that its replay in a later mode is that refusal too
+            await self._secondary(self.store.link(tenant, _rid(legacy), FROZEN_LINK),
+                                  "legacy", "link")
             await self._secondary(self.store.release(tenant, _rid(legacy)), "legacy", "release")
         if pg.held and not legacy.held:
             if (legacy.replayed and mark is not None
