@@ -2514,3 +2514,24 @@ async def test_a_primary_refusal_replays_refused_after_going_back(
     retry = await rollout.reserve(tenant.id, "k", cart, ttl=60)
     assert (retry.held, retry.reason) == (False, "bucket_frozen"), (
         retry.held, retry.reservation and retry.reservation.status)
+
+
+async def test_a_replayed_adjustment_first_made_in_pgreserve_mode_leaves_redis(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """An adjustment made in mode pgreserve (Redis not written), then the way back:
+    primary, and every bucket counted again (both stores at 8). A retry of the old
+    adjustment's key replays in pgreserve and moves nothing in Redis either; before, it
+    moved Redis's recounted counter by 3, units Redis would sell after going back. One
+    first made in primary while Redis did not answer still reaches Redis on its replay
+    (test_an_adjustment_retried_after_redis_did_not_answer_moves_redis_once)."""
+    await seed(service, store, tenant.id, "a", 5, location="x")
+    await set_mode(db, tenant.id, Mode.PGRESERVE, "test")
+    await rollout.adjust_stock(tenant.id, "adj-1", "a", "x", 3)
+    assert (await service.get_stock(tenant.id, "a", "x")).on_hand == 8
+    await set_mode(db, tenant.id, Mode.PRIMARY, "test")
+    await rollout.set_stock(tenant.id, "a", "x", 8)
+    assert await store.available(tenant.id, "a", "x") == 8
+    replay = await rollout.adjust_stock(tenant.id, "adj-1", "a", "x", 3)
+    assert replay.replayed and replay.on_hand == 8
+    assert await store.available(tenant.id, "a", "x") == 8

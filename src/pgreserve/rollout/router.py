@@ -100,6 +100,7 @@ OP_SALE = Op("rollout", "rollout_legacy_sale_record", "rollout/legacy-sale")
 _REDIS_ANSWERED = frozenset({Mode.LEGACY.value, Mode.SHADOW.value})
 OP_REFUSAL = Op("rollout", "rollout_refusal_record", "rollout/primary-refusal")
 OP_TOLD = Op("rollout", "rollout_hold_told", "rollout/primary-hold-told")
+OP_MODE_AT = Op("rollout", "rollout_mode_at_request", "rollout/adjust-replay")
 OP_TENANTS = Op("sweeper", "rollout_redis_tenant_list", "worker/rollout-expiry")
 
 
@@ -195,10 +196,17 @@ class Rollout:
         """A receipt or correction, once per request key in each store: pgreserve's
         ledger and, while Redis is written, the key's marker in Redis. A replay goes to
         Redis again, so a retry after a Redis that did not answer (OutcomeUnknown)
-        moves its counter then, once."""
+        moves its counter then, once; but not the replay of one first applied while
+        Redis was not written (mode pgreserve): Redis has been counted again since, or
+        will be, and never had that adjustment to catch up on."""
         view = await self.service.adjust_stock(tenant, request_key, sku, location, delta,
                                                reason=reason, force=force, if_match=if_match)
         mode = (await self.modes.get(tenant)).mode
+        if mode.writes_redis and view.replayed:
+            rows = await self.service.db.fetch(queries["rollout_mode_at_request"],
+                                               (tenant, request_key), op=OP_MODE_AT)
+            if rows and not Mode(rows[0][0]).writes_redis:
+                return view
         if mode.writes_redis:
             await self._stock_step(tenant, mode, self.store.adjust_stock(
                 tenant, view.sku, view.location, delta, request_key=request_key),

@@ -182,3 +182,13 @@ SELECT ledger_refusal_record_v1(%s, %s, %s, %s::jsonb);
 -- Primary mode: the hold told while the legacy store did not answer stays the key's
 -- answer (ledger.sql).
 SELECT ledger_hold_told_v1(%s, %s, %s);
+
+-- name: rollout_mode_at_request
+-- The tenant's mode when the answer under a request key was stored: its latest
+-- switch at or before then ('pgreserve' when none, as for a tenant never set); no
+-- row when pgreserve keeps no answer under the key.
+SELECT coalesce((SELECT c.to_mode FROM rollout_mode_change c
+                 WHERE c.tenant_id = l.tenant_id AND c.changed_at <= l.created_at
+                 ORDER BY c.changed_at DESC, c.change_id DESC LIMIT 1), 'pgreserve')
+FROM request_ledger l
+WHERE l.tenant_id = %s AND l.request_key = %s;
