@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import logging
 import os
 import random
 import signal
@@ -602,6 +603,32 @@ async def test_the_comparison_writer_is_not_bound_by_the_deadline_of_a_request(
         assert written == 1
     finally:
         await recorder.aclose()
+
+
+async def test_comparisons_not_written_at_shutdown_are_said_and_counted(
+        dsn: str, tenant: Tenant, caplog: pytest.LogCaptureFixture) -> None:
+    """The recorder's last flush at shutdown fails (the database is gone): the
+    comparisons it held are counted as dropped (metric and `dropped`), and an error
+    names how many were writes Redis missed, which `rollout set ... legacy` will not
+    see. Before, that failure was suppressed without a word."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    db = Database(dsn, max_size=2)
+    await db.open()
+    recorder = Recorder(db, RolloutMetrics(registry), flush_every_s=60)
+    recorder.add(Comparison(tenant.id, "primary", "reserve", "k1",
+                            {"error": "outcome_unknown"}, {"held": True}, 1.0, 1.0))
+    recorder.add(Comparison(tenant.id, "primary", "reserve", "k2", {"held": True},
+                            {"held": True}, 1.0, 1.0))
+    await db.close()
+    with caplog.at_level(logging.ERROR, logger="pgreserve.rollout.comparison"):
+        await recorder.aclose()
+    assert recorder.dropped == 2
+    assert registry.get_sample_value("pgreserve_rollout_comparisons_dropped_total") == 2
+    [said] = [r.getMessage() for r in caplog.records if "not written at shutdown" in
+              r.getMessage()]
+    assert "2 comparisons" in said and "1 of them writes Redis missed" in said, said
 
 
 # -- the command line and the API -----------------------------------------------------

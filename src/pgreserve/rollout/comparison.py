@@ -110,6 +110,10 @@ class RolloutMetrics:
         self.secondary_failures = Counter(
             "pgreserve_rollout_secondary_failures", "Failures of the store that did not "
             "answer the caller (counted, never returned)", ["side", "operation"], registry=r)
+        self.dropped = Counter(
+            "pgreserve_rollout_comparisons_dropped", "Comparisons not written to "
+            "rollout_comparison (the buffer was full, or the last flush at shutdown "
+            "failed): counted in the metrics, missing from `rollout report`", registry=r)
         self._seen: Tally[int] = Tally()
         self._agreed: Tally[int] = Tally()
 
@@ -145,6 +149,7 @@ class Recorder:
             # missed is kept whatever the buffer holds: dropped, it would let the
             # tenant go back to legacy, where Redis would sell what pgreserve holds
             self.dropped += 1
+            self.metrics.dropped.inc()
             return
         self._rows.append(c)
         self._start()
@@ -198,5 +203,13 @@ class Recorder:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        with contextlib.suppress(Exception):
+        try:
             await self.flush()
+        except Exception as exc:  # noqa: BLE001 - shutting down: said, counted, not raised
+            missed = sum(c.redis_missed for c in self._rows)
+            self.dropped += len(self._rows)
+            self.metrics.dropped.inc(len(self._rows))
+            log.error("rollout: %d comparisons not written at shutdown (%s), %d of them "
+                      "writes Redis missed: `rollout set ... legacy` will not see those; "
+                      "count every bucket again in primary before going back", len(self._rows),
+                      exc, missed)
