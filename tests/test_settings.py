@@ -243,3 +243,29 @@ def test_a_bad_value_in_the_settings_file_is_refused_by_every_command(
     before = os.environ.get("PGRESERVE_SCHEMA")
     assert ConfigFile.read(good).values["workers"] == 4  # (read checks every value)
     assert os.environ.get("PGRESERVE_SCHEMA") == before
+
+
+def test_the_files_values_keep_their_precedence_when_checked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checking every value of the file keeps "flags and PGRESERVE_* variables win over
+    it": a stale TLS path in the file is no error when flags give the paths, nor for a
+    command that does not use them (a path is checked where it is used: another
+    command's certificates need not exist here); a bad value an environment variable
+    overrides is no error either."""
+    cert = tmp_path / "cert.pem"
+    cert.write_text("x")
+    conf = tmp_path / "shared.toml"
+    conf.write_text(f'ssl_certfile = "{tmp_path}/old.pem"\nssl_keyfile = "{tmp_path}/old.key"\n'
+                    "workers = 0\n")
+    monkeypatch.setenv("PGRESERVE_WORKERS", "2")
+    shown = CliRunner().invoke(main, ["config", "show", "--config", str(conf),
+                                      "--ssl-certfile", str(cert), "--ssl-keyfile", str(cert)])
+    assert shown.exit_code == 0, shown.output
+    elsewhere = CliRunner().invoke(main, ["tenant", "list", "--config", str(conf),
+                                          "--database-url", "postgresql:///nowhere"])
+    assert "ssl_" not in elsewhere.output and "workers" not in elsewhere.output, \
+        elsewhere.output
+    monkeypatch.delenv("PGRESERVE_WORKERS")
+    refused = CliRunner().invoke(main, ["tenant", "list", "--config", str(conf),
+                                        "--database-url", "postgresql:///nowhere"])
+    assert refused.exit_code == 2 and "workers" in refused.output, refused.output

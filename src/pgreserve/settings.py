@@ -15,7 +15,7 @@ import ipaddress
 import math
 import os
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any
@@ -266,7 +266,7 @@ class ConfigFile:
     values: Mapping[str, Any]
 
     @classmethod
-    def read(cls, path: Path) -> ConfigFile:
+    def read(cls, path: Path, taken: Collection[str] = ()) -> ConfigFile:
         try:
             with path.open("rb") as f:
                 doc = tomllib.load(f)
@@ -281,20 +281,26 @@ class ConfigFile:
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise SettingsError(f"{path}: {key}: unknown setting{hint}")
         found = cls(path, doc)
-        found.check_values()
+        found.check_values(skip=taken)
         return found
 
-    def check_values(self) -> None:
-        """Every value checked as its option would check it, whether or not the command
-        reading the file takes that option: a file shared by several commands is
-        refused by the first that reads a bad value, not by the one that uses it."""
+    def check_values(self, skip: Collection[str] = ()) -> None:
+        """The values of the keys a command does not take (`skip`: those it takes, which
+        its own options check where flags and PGRESERVE_* variables win over the file)
+        checked as their options would check them, so that a file shared by several
+        commands is refused by the first that reads a bad value. A key its
+        environment variable sets is left to it; a file path's type is checked, not
+        whether this user can read that file now (another command will use it)."""
         ctx = click.Context(click.Command("settings"))
         for key in self.values:
             spec = BY_KEY[key]
+            if key in skip or spec.envvar in os.environ:
+                continue
             is_flag = any("/" in d for d in spec.decls)
             names = [*spec.decls, spec.param] if spec.dest else list(spec.decls)
+            kind = click.STRING if isinstance(spec.type, click.Path) else spec.type
             param = (click.Option(names, is_flag=True) if is_flag
-                     else click.Option(names, type=spec.type))
+                     else click.Option(names, type=kind))
             value = self.convert(spec, param, ctx)
             # (the checks only: --schema's own callback also makes it the process's)
             check = _schema_name if spec.callback is _schema else spec.callback
@@ -333,7 +339,9 @@ def _python_type(kind: click.ParamType[Any]) -> type | tuple[type, ...]:
 
 def _load_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     if value is not None:
-        ctx.meta[_FILE_META] = ConfigFile.read(Path(value))
+        options = {p.name for p in ctx.command.params}
+        ctx.meta[_FILE_META] = ConfigFile.read(
+            Path(value), taken=[s.key for s in SPECS if s.param in options])
     return value
 
 
