@@ -2562,3 +2562,42 @@ async def test_a_replayed_adjustment_first_made_in_pgreserve_mode_leaves_redis(
     replay = await rollout.adjust_stock(tenant.id, "adj-1", "a", "x", 3)
     assert replay.replayed and replay.on_hand == 8
     assert await store.available(tenant.id, "a", "x") == 8
+
+
+async def test_a_primary_refusal_of_a_key_redis_first_sees_on_a_retry_replays_refused(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """A key refused by pgreserve (a freeze) before Redis saw it (mode pgreserve), retried
+    in primary: Redis holds it for the first time and gives it back, as pgreserve's
+    refusal is the caller's answer. Back in legacy, the key replays that refusal, not
+    Redis's released hold (its hold is marked given back for pgreserve's refusal)."""
+    await seed(service, store, tenant.id, "a", 5, location="x")
+    await set_mode(db, tenant.id, Mode.PGRESERVE, "test")
+    await service.freeze(tenant.id, "recount", "test@ops", sku="a", location="x")
+    cart = [("a", "x", 1)]
+    first = await rollout.reserve(tenant.id, "k", cart, ttl=60)
+    assert not first.held and first.reason == "bucket_frozen"
+    await set_mode(db, tenant.id, Mode.PRIMARY, "test")
+    again = await rollout.reserve(tenant.id, "k", cart, ttl=60)
+    assert not again.held and again.reason == "bucket_frozen"
+    await rollout.recorder.flush()
+    await set_mode(db, tenant.id, Mode.LEGACY, "test", force=True)
+    retry = await rollout.reserve(tenant.id, "k", cart, ttl=60)
+    assert (retry.held, retry.reason) == (False, "bucket_frozen")
+
+
+async def test_lookup_by_key_answers_an_adjustment_in_every_mode(
+        rollout: Rollout, service: ReservationService, store: RedisHoldStore,
+        tenant: Tenant, db: Database) -> None:
+    """pgreserve answers adjustments in every mode, so the lookup of an adjustment's key
+    answers in legacy and shadow too, while a reserve's key there is refused."""
+    await seed(service, store, tenant.id, "a", 5, location="x")
+    for mode in (Mode.LEGACY, Mode.SHADOW):
+        await set_mode(db, tenant.id, mode, "test", force=True)
+        view = await rollout.adjust_stock(tenant.id, f"adj-{mode.value}", "a", "x", 1)
+        record = await rollout.lookup_request(tenant.id, f"adj-{mode.value}")
+        assert record.operation == "adjust"
+        assert record.outcome["stock"]["on_hand"] == view.on_hand
+        assert (await rollout.reserve(tenant.id, f"r-{mode.value}", [("a", "x", 1)])).held
+        with pytest.raises(errors.UnsupportedInRolloutMode):
+            await rollout.lookup_request(tenant.id, f"r-{mode.value}")

@@ -316,8 +316,9 @@ class Rollout:
         Redis gave back because the caller was told pgreserve's refusal (linked
         FROZEN_LINK: shadow's rules, primary's refusals) is that refusal, as pgreserve
         keeps it under the key, whatever the mode now; any other answer as it is (also
-        when pgreserve no longer keeps the key, or cannot be read: the caller has to
-        have some answer, and Redis's is the one it keeps)."""
+        when pgreserve no longer keeps the key). When pgreserve cannot be read, its
+        error is the caller's (a retry decides), never the hold the caller was not
+        told."""
         if not (legacy.held and legacy.replayed):
             return legacy
         try:
@@ -476,6 +477,9 @@ class Rollout:
             # hold that is no longer active would keep units nobody will claim.
             active = pg.reservation is not None and pg.reservation.status is Status.ACTIVE
             if legacy.held and not (pg.held and active):
+                if not pg.held:  # the caller was told pgreserve's refusal (see below)
+                    await self._secondary(
+                        self.store.link(tenant, _rid(legacy), FROZEN_LINK), "legacy", "link")
                 await self._secondary(self.store.release(tenant, _rid(legacy)), "legacy",
                                       "release")
             return pg
@@ -621,20 +625,28 @@ class Rollout:
     async def lookup_request(self, tenant: int, request_key: str) -> RequestRecord:
         """The answer stored under a request key (ReservationService.lookup_request).
 
-        While Redis answers for the tenant (legacy, shadow) the caller's answers are
-        Redis's: pgreserve keeps none, or in shadow its twin's, which the caller was
-        never told (a claim of the twin's id would sell beside Redis's hold). So the
-        lookup raises UnsupportedInRolloutMode then, and afterwards, while Redis may
-        still hold (primary, and the day after), for a key Redis answered in one of
-        those modes. Busy when Redis does not answer then (whose answer it was cannot
-        be told)."""
+        While Redis answers for the tenant (legacy, shadow) the answers to reserves,
+        claims, releases and extends are Redis's: pgreserve keeps none, or in shadow
+        its twin's, naming an id the caller was never told (a claim of the twin's id
+        would sell beside Redis's hold). So the lookup then answers only what pgreserve
+        itself answered, an adjustment, and raises UnsupportedInRolloutMode for any
+        other key; afterwards, while
+        Redis may still hold (primary, and the day after), it raises it for a key
+        Redis answered in one of those modes. Busy when Redis does not answer then
+        (whose answer it was cannot be told)."""
         tenant = check.tenant_id(tenant)
         key = check.request_key(request_key)
         entry = await self.modes.get(tenant)
         if entry.mode.answers_from_redis:
-            raise UnsupportedInRolloutMode(
-                f"the tenant is in rollout mode {entry.mode.value}: the legacy store "
-                "answers, and its answers are not looked up by request key")
+            try:
+                found = await self.service.lookup_request(tenant, key)
+            except RequestNotFound:
+                found = None
+            if found is None or found.operation != "adjust":
+                raise UnsupportedInRolloutMode(
+                    f"the tenant is in rollout mode {entry.mode.value}: the legacy store "
+                    "answers its reserves, whose answers are not looked up by request key")
+            return found
         if entry.redis_may_hold(utcnow()):
             try:
                 given_in = await self.store.answer_mode(tenant, key)
