@@ -183,8 +183,8 @@ def test_a_busy_port_is_a_message(short_dir: Path) -> None:
 def test_a_busy_ops_port_is_a_message_naming_it(short_dir: Path) -> None:
     """`up` whose ops listener's port is taken exits 1 before starting a database, with
     one line naming that address and --ops-port (before: uvicorn's error line, then a
-    message about the HTTP server on the API's free port); the same port for both is
-    refused the same way."""
+    message about the HTTP server on the API's free port); the same port for both (as
+    localhost and 127.0.0.1) is refused the same way."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -198,8 +198,9 @@ def test_a_busy_ops_port_is_a_message_naming_it(short_dir: Path) -> None:
     assert f"cannot listen on 127.0.0.1:{busy}" in result.stderr, result.stderr
     assert "--ops-port" in result.stderr and "uvicorn" not in result.stderr
     same = pgr("up", "--data-dir", str(short_dir / "data"), "--port", str(free),
-               "--ops-port", str(free))
-    assert same.returncode == 1 and "cannot share a port" in same.stderr, same.stderr
+               "--ops-port", str(free), "--host", "localhost")
+    assert same.returncode == 1 and "the API's address is that port too" in same.stderr, \
+        same.stderr
     assert not (short_dir / "data").exists()
 
 

@@ -896,13 +896,7 @@ def _check_listen(s: Settings) -> None:
 
     api = None if s.uds is not None else (s.host, s.port)
     ops = s.ops_address
-    if api is not None and ops is not None and api[1] == ops[1] and (
-            api[0] == ops[0] or "0.0.0.0" in (api[0], ops[0])  # noqa: S104 - compared only
-            or "::" in (api[0], ops[0])):
-        raise click.ClickException(
-            f"the API ({api[0]}:{api[1]}) and the ops listener ({ops[0]}:{ops[1]}) cannot "
-            "share a port: pass --ops-port N (PGRESERVE_OPS_PORT) or --port N")
-    bound = []
+    bound = []  # (listening, so that a second address overlapping the first fails too)
     try:
         for address, option in ((api, "--port N (PGRESERVE_PORT)"),
                                 (ops, "--ops-port N (PGRESERVE_OPS_PORT), or --no-ops")):
@@ -921,10 +915,13 @@ def _check_listen(s: Settings) -> None:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 probe.bind(addr)
+                probe.listen(1)
             except OSError as exc:
+                shared = (" (the API's address is that port too)"
+                          if api is not None and address is ops and api[1] == port else "")
                 raise click.ClickException(
-                    f"cannot listen on {host}:{port}: {exc.strerror or exc}; stop what uses "
-                    f"it or pass {option}") from None
+                    f"cannot listen on {host}:{port}: {exc.strerror or exc}{shared}; stop "
+                    f"what uses it or pass {option}") from None
     finally:
         for probe in bound:
             probe.close()
