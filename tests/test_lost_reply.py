@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from conftest import ApiTenant
 from pgreserve import Database, ReservationService
@@ -31,6 +32,10 @@ def reply_lost_after_commit(server: EmbeddedServer, dsn: str, table: str) -> Ite
     fault suite does. Only the first such transaction; the server is set back after."""
     admin = server.dsn("postgres")
     with psycopg.connect(admin, autocommit=True) as conn:
+        # (the server's own values, set back after: the test server's come from ALTER
+        # SYSTEM too, and a RESET would make every later test's commit durable)
+        before = {name: str(conn.execute(f"SHOW {name}").fetchone()[0])  # type: ignore[index]
+                  for name in ("synchronous_standby_names", "synchronous_commit")}
         conn.execute("ALTER SYSTEM SET synchronous_standby_names = 'pgreserve_nobody'")
         conn.execute("ALTER SYSTEM SET synchronous_commit = 'local'")
         conn.execute("SELECT pg_reload_conf()")
@@ -71,8 +76,9 @@ def reply_lost_after_commit(server: EmbeddedServer, dsn: str, table: str) -> Ite
     finally:
         stop.set()
         with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute("ALTER SYSTEM RESET synchronous_standby_names")
-            conn.execute("ALTER SYSTEM RESET synchronous_commit")
+            for name, value in before.items():
+                conn.execute(sql.SQL("ALTER SYSTEM SET {} = {}").format(
+                    sql.Identifier(name), sql.Literal(value)))
             conn.execute("SELECT pg_reload_conf()")
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("DROP TRIGGER IF EXISTS lost_reply_arm ON pgreserve." + table)

@@ -898,8 +898,9 @@ def _check_listen(s: Settings) -> None:
     ops = s.ops_address
     bound = []  # (listening, so that a second address overlapping the first fails too)
     try:
-        for address, option in ((api, "--port N (PGRESERVE_PORT)"),
-                                (ops, "--ops-port N (PGRESERVE_OPS_PORT), or --no-ops")):
+        for address, what, option in (
+                (api, "the API", "--port N (PGRESERVE_PORT)"),
+                (ops, "the ops listener", "--ops-port N (PGRESERVE_OPS_PORT), or --no-ops")):
             if address is None:
                 continue
             host, port = address
@@ -908,7 +909,7 @@ def _check_listen(s: Settings) -> None:
                                            flags=socket.AI_PASSIVE)
             except socket.gaierror as exc:
                 raise click.ClickException(
-                    f"cannot listen on {host}:{port}: {exc.strerror}") from None
+                    f"cannot listen on {host}:{port} ({what}): {exc.strerror}") from None
             family, kind, proto, _, addr = infos[0]
             probe = socket.socket(family, kind, proto)
             bound.append(probe)
@@ -920,8 +921,8 @@ def _check_listen(s: Settings) -> None:
                 shared = (" (the API's address is that port too)"
                           if api is not None and address is ops and api[1] == port else "")
                 raise click.ClickException(
-                    f"cannot listen on {host}:{port}: {exc.strerror or exc}{shared}; stop "
-                    f"what uses it or pass {option}") from None
+                    f"cannot listen on {host}:{port} ({what}): {exc.strerror or exc}{shared}; "
+                    f"stop what uses it or pass {option}") from None
     finally:
         for probe in bound:
             probe.close()
