@@ -308,6 +308,15 @@ class Database:
         self._emit(op, "busy")
         return errors.Busy(f"{why}; nothing was done, retry later", sqlstate=sqlstate)
 
+    def _not_run_again(self, op: Op | None, exc: psycopg.errors.Error) -> errors.OutcomeUnknown:
+        """A write that is not replay-safe lost its connection after it was sent."""
+        self._emit(op, "unknown_outcome")
+        return errors.OutcomeUnknown(
+            f"the database connection was lost after the statement was sent "
+            f"({_said(exc)}), so it may have committed; it is not run again, since a "
+            "second run would not answer as the first did: read the state before "
+            "trying again")
+
     def _raise_refused(self, op: Op | None, exc: psycopg.errors.Error,
                        maybe_ran: bool) -> None:
         """End the call (of `call` or `fetch`) on an error no retry can change: a typed
@@ -438,12 +447,7 @@ class Database:
                 lost = _connection_lost(exc, state)
                 sent = lost and progress.sent
                 if sent and not replay_safe:
-                    self._emit(op, "unknown_outcome")
-                    raise errors.OutcomeUnknown(
-                        f"the database connection was lost after the statement was sent "
-                        f"({_said(exc)}), so it may have committed; it is not run again, since "
-                        "a second run would not answer as the first did: read the state "
-                        "before trying again") from exc
+                    raise self._not_run_again(op, exc) from exc
                 if state in _RETRY_WHOLE or lost:
                     if state == "40P01":
                         self.stats.deadlocks_retried += 1
@@ -581,11 +585,7 @@ class Database:
                 if not _connection_lost(exc, exc.sqlstate or ""):
                     raise
                 if progress.sent and not replay_safe:
-                    self._emit(op, "unknown_outcome")
-                    raise errors.OutcomeUnknown(
-                        f"the database connection was lost after the statement was sent "
-                        f"({_said(exc)}), so it may have committed; it is not run again: "
-                        "read the state before trying again") from exc
+                    raise self._not_run_again(op, exc) from exc
                 self.stats.connection_retried += 1
                 self._emit(op, "connection_retried")
                 delay = self._backoff(attempt)
