@@ -202,15 +202,16 @@ class Rollout:
         view = await self.service.adjust_stock(tenant, request_key, sku, location, delta,
                                                reason=reason, force=force, if_match=if_match)
         mode = (await self.modes.get(tenant)).mode
-        if mode.writes_redis and view.replayed:
+        if not mode.writes_redis:
+            return view
+        if view.replayed:
             rows = await self.service.db.fetch(queries["rollout_mode_at_request"],
                                                (tenant, request_key), op=OP_MODE_AT)
             if rows and not Mode(rows[0][0]).writes_redis:
                 return view
-        if mode.writes_redis:
-            await self._stock_step(tenant, mode, self.store.adjust_stock(
-                tenant, view.sku, view.location, delta, request_key=request_key),
-                "adjust_stock", request_key)
+        await self._stock_step(tenant, mode, self.store.adjust_stock(
+            tenant, view.sku, view.location, delta, request_key=request_key),
+            "adjust_stock", request_key)
         return view
 
     async def _stock_step(self, tenant: int, mode: Mode, step: Awaitable[Any], operation: str,
@@ -477,18 +478,10 @@ class Rollout:
             # hold that is no longer active would keep units nobody will claim.
             active = pg.reservation is not None and pg.reservation.status is Status.ACTIVE
             if legacy.held and not (pg.held and active):
-                if not pg.held:  # the caller was told pgreserve's refusal (see below)
-                    await self._secondary(
-                        self.store.link(tenant, _rid(legacy), FROZEN_LINK), "legacy", "link")
-                await self._secondary(self.store.release(tenant, _rid(legacy)), "legacy",
-                                      "release")
+                await self._give_back(tenant, legacy, refused=not pg.held)
             return pg
         if legacy.held and not pg.held and not legacy.replayed:
-            # the caller is told pgreserve's refusal: Redis's hold is marked so, then
-            # given back, so that its replay in a later mode is that refusal too
-            await self._secondary(self.store.link(tenant, _rid(legacy), FROZEN_LINK),
-                                  "legacy", "link")
-            await self._secondary(self.store.release(tenant, _rid(legacy)), "legacy", "release")
+            await self._give_back(tenant, legacy, refused=True)
         if pg.held and not legacy.held:
             if (legacy.replayed and mark is not None
                     and not await self._refusal_is_the_answer(tenant, mark, pg)):
@@ -506,6 +499,15 @@ class Rollout:
                 return pg
             return legacy
         return pg
+
+    async def _give_back(self, tenant: int, legacy: ReserveOutcome, *, refused: bool) -> None:
+        """Give Redis's hold back (primary: the caller has pgreserve's answer instead);
+        `refused`: that answer is pgreserve's refusal, so the hold is marked first
+        (FROZEN_LINK), and its replay in a later mode is that refusal too."""
+        if refused:
+            await self._secondary(self.store.link(tenant, _rid(legacy), FROZEN_LINK),
+                                  "legacy", "link")
+        await self._secondary(self.store.release(tenant, _rid(legacy)), "legacy", "release")
 
     async def _refusal_is_the_answer(self, tenant: int, mark: RefusalMark,
                                      pg: ReserveOutcome) -> bool:
@@ -630,10 +632,9 @@ class Rollout:
         its twin's, naming an id the caller was never told (a claim of the twin's id
         would sell beside Redis's hold). So the lookup then answers only what pgreserve
         itself answered, an adjustment, and raises UnsupportedInRolloutMode for any
-        other key; afterwards, while
-        Redis may still hold (primary, and the day after), it raises it for a key
-        Redis answered in one of those modes. Busy when Redis does not answer then
-        (whose answer it was cannot be told)."""
+        other key; afterwards, while Redis may still hold (primary, and the day after),
+        it raises it for a key Redis answered in one of those modes. Busy when Redis
+        does not answer then (whose answer it was cannot be told)."""
         tenant = check.tenant_id(tenant)
         key = check.request_key(request_key)
         entry = await self.modes.get(tenant)
@@ -654,7 +655,7 @@ class Rollout:
                 self.metrics.secondary_failures.labels("legacy", "read").inc()
                 raise Busy("the legacy store did not answer, and it may have answered "
                            "this request key; retry later") from exc
-            if given_in is not None and given_in in ("", *_REDIS_ANSWERED):
+            if given_in in ("", *_REDIS_ANSWERED):
                 raise UnsupportedInRolloutMode(
                     f"this request key was answered by the legacy store (in mode "
                     f"{given_in or 'legacy'}), whose answers are not looked up by key: "
