@@ -2502,6 +2502,24 @@ async def test_rollout_cli_refuses_an_empty_by_and_an_empty_tenant(
     assert report.returncode != 0 and report.stdout == "", (report.stdout, report.stderr)
 
 
+async def assert_refused_by_the_freeze(rollout: Rollout, tenant: int) -> None:
+    """Key k's cart (1 of a@x) is answered bucket_frozen."""
+    answer = await rollout.reserve(tenant, "k", [("a", "x", 1)], ttl=60)
+    assert (answer.held, answer.reason) == (False, "bucket_frozen"), (
+        answer.held, answer.reservation and answer.reservation.status)
+
+
+async def refused_by_a_freeze(rollout: Rollout, service: ReservationService,
+                              store: RedisHoldStore, db: Database, tenant: int,
+                              mode: Mode) -> None:
+    """Both stores count 5 of a@x, the tenant is in `mode`, the bucket is frozen, and key
+    k's first reserve is refused bucket_frozen."""
+    await seed(service, store, tenant, "a", 5, location="x")
+    await set_mode(db, tenant, mode, "test")
+    await service.freeze(tenant, "recount", "test@ops", sku="a", location="x")
+    await assert_refused_by_the_freeze(rollout, tenant)
+
+
 @pytest.mark.parametrize("later", [Mode.LEGACY, Mode.PRIMARY, Mode.PGRESERVE])
 async def test_a_shadow_refusal_by_rule_replays_refused_in_every_later_mode(
         rollout: Rollout, service: ReservationService, store: RedisHoldStore,
@@ -2509,18 +2527,10 @@ async def test_a_shadow_refusal_by_rule_replays_refused_in_every_later_mode(
     """Shadow: a frozen bucket refuses (bucket_frozen), and Redis's hold is marked and
     given back. That refusal is the key's answer in every later mode; before, legacy,
     primary and pgreserve replayed Redis's released hold, which the caller never saw."""
-    await seed(service, store, tenant.id, "a", 5, location="x")
-    await set_mode(db, tenant.id, Mode.SHADOW, "test")
-    await service.freeze(tenant.id, "recount", "test@ops", sku="a", location="x")
-    cart = [("a", "x", 1)]
-    first = await rollout.reserve(tenant.id, "k", cart, ttl=60)
-    assert not first.held and first.reason == "bucket_frozen"
-    again = await rollout.reserve(tenant.id, "k", cart, ttl=60)
-    assert not again.held and again.reason == "bucket_frozen"
+    await refused_by_a_freeze(rollout, service, store, db, tenant.id, Mode.SHADOW)
+    await assert_refused_by_the_freeze(rollout, tenant.id)
     await set_mode(db, tenant.id, later, "test")
-    retry = await rollout.reserve(tenant.id, "k", cart, ttl=60)
-    assert (retry.held, retry.reason) == (False, "bucket_frozen"), (
-        retry.held, retry.reservation and retry.reservation.status)
+    await assert_refused_by_the_freeze(rollout, tenant.id)
 
 
 @pytest.mark.parametrize("later", [Mode.LEGACY, Mode.SHADOW])
@@ -2530,17 +2540,10 @@ async def test_a_primary_refusal_replays_refused_after_going_back(
     """Primary: pgreserve refuses a frozen bucket (the caller's answer); Redis held the
     cart, and its hold is marked and given back. Going back to legacy or shadow (allowed:
     Redis missed nothing), the key replays the refusal, not Redis's released hold."""
-    await seed(service, store, tenant.id, "a", 5, location="x")
-    await set_mode(db, tenant.id, Mode.PRIMARY, "test")
-    await service.freeze(tenant.id, "recount", "test@ops", sku="a", location="x")
-    cart = [("a", "x", 1)]
-    first = await rollout.reserve(tenant.id, "k", cart, ttl=60)
-    assert not first.held and first.reason == "bucket_frozen"
+    await refused_by_a_freeze(rollout, service, store, db, tenant.id, Mode.PRIMARY)
     await rollout.recorder.flush()
     await set_mode(db, tenant.id, later, "test")
-    retry = await rollout.reserve(tenant.id, "k", cart, ttl=60)
-    assert (retry.held, retry.reason) == (False, "bucket_frozen"), (
-        retry.held, retry.reservation and retry.reservation.status)
+    await assert_refused_by_the_freeze(rollout, tenant.id)
 
 
 async def test_a_replayed_adjustment_first_made_in_pgreserve_mode_leaves_redis(
@@ -2571,19 +2574,12 @@ async def test_a_primary_refusal_of_a_key_redis_first_sees_on_a_retry_replays_re
     in primary: Redis holds it for the first time and gives it back, as pgreserve's
     refusal is the caller's answer. Back in legacy, the key replays that refusal, not
     Redis's released hold (its hold is marked given back for pgreserve's refusal)."""
-    await seed(service, store, tenant.id, "a", 5, location="x")
-    await set_mode(db, tenant.id, Mode.PGRESERVE, "test")
-    await service.freeze(tenant.id, "recount", "test@ops", sku="a", location="x")
-    cart = [("a", "x", 1)]
-    first = await rollout.reserve(tenant.id, "k", cart, ttl=60)
-    assert not first.held and first.reason == "bucket_frozen"
+    await refused_by_a_freeze(rollout, service, store, db, tenant.id, Mode.PGRESERVE)
     await set_mode(db, tenant.id, Mode.PRIMARY, "test")
-    again = await rollout.reserve(tenant.id, "k", cart, ttl=60)
-    assert not again.held and again.reason == "bucket_frozen"
+    await assert_refused_by_the_freeze(rollout, tenant.id)
     await rollout.recorder.flush()
     await set_mode(db, tenant.id, Mode.LEGACY, "test", force=True)
-    retry = await rollout.reserve(tenant.id, "k", cart, ttl=60)
-    assert (retry.held, retry.reason) == (False, "bucket_frozen")
+    await assert_refused_by_the_freeze(rollout, tenant.id)
 
 
 async def test_lookup_by_key_answers_an_adjustment_in_every_mode(
