@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import click
 
-from .db.schema import DEFAULT_SCHEMA, ENV, use
+from .db.schema import DEFAULT_SCHEMA, ENV, check, use
 from .errors import InvalidRequest
+
+
+def check_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--schema's check alone: a name that cannot be a schema is a BadParameter."""
+    if value is not None:
+        try:
+            check(value)
+        except InvalidRequest as exc:
+            raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+    return value
 
 
 def use_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """The --schema callback: the name checked, then this process's schema."""
+    check_option(ctx, param, value)
     if value is not None:
-        try:
-            use(value)
-        except InvalidRequest as exc:
-            raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+        use(value)
     return value
 
 

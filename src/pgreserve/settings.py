@@ -25,9 +25,7 @@ from click.core import ParameterSource
 
 from .config import mask_password
 from .db.schema import DEFAULT_SCHEMA
-from .db.schema import check as check_schema_name
-from .errors import InvalidRequest
-from .schema_cli import use_option
+from .schema_cli import check_option, use_option
 from .validation import MAX_KEY_RETENTION_HOURS
 
 CONFIG_ENVVAR = "PGRESERVE_CONFIG"
@@ -85,11 +83,18 @@ class Spec:
     def param(self) -> str:
         return self.dest or self.key
 
+    @property
+    def is_flag(self) -> bool:
+        return any("/" in d for d in self.decls)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The click option's declarations (and its parameter name, when not the key)."""
+        return (*self.decls, self.param) if self.dest else self.decls
+
     def option(self) -> Callable[[Any], Any]:
-        is_flag = any("/" in d for d in self.decls)
-        extra: dict[str, Any] = {} if is_flag else {"type": self.type}
-        names = (*self.decls, self.param) if self.dest else self.decls
-        return click.option(*names, envvar=self.envvar, default=self.default,
+        extra: dict[str, Any] = {} if self.is_flag else {"type": self.type}
+        return click.option(*self.names, envvar=self.envvar, default=self.default,
                             show_default=self.default is not None, show_envvar=True,
                             help=self.help, callback=_resolver(self),
                             expose_value=self.exposed, **extra)
@@ -134,16 +139,6 @@ def _schema(ctx: click.Context, param: click.Parameter, value: str | None) -> st
     """--schema: checked, then this process's (and its children's) schema (db/schema.py);
     kept for the Settings the command does not receive it in."""
     ctx.meta.setdefault(_HIDDEN_META, {})["schema"] = use_option(ctx, param, value)
-    return value
-
-
-def _schema_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """--schema's check alone (ConfigFile.check_values), with no effect on the process."""
-    if value is not None:
-        try:
-            check_schema_name(value)
-        except InvalidRequest as exc:
-            raise click.BadParameter(exc.message) from None
     return value
 
 
@@ -296,14 +291,12 @@ class ConfigFile:
             spec = BY_KEY[key]
             if key in skip or spec.envvar in os.environ:
                 continue
-            is_flag = any("/" in d for d in spec.decls)
-            names = [*spec.decls, spec.param] if spec.dest else list(spec.decls)
             kind = click.STRING if isinstance(spec.type, click.Path) else spec.type
-            param = (click.Option(names, is_flag=True) if is_flag
-                     else click.Option(names, type=kind))
+            param = (click.Option(list(spec.names), is_flag=True) if spec.is_flag
+                     else click.Option(list(spec.names), type=kind))
             value = self.convert(spec, param, ctx)
             # (the checks only: --schema's own callback also makes it the process's)
-            check = _schema_name if spec.callback is _schema else spec.callback
+            check = check_option if spec.callback is _schema else spec.callback
             if check is not None:
                 try:
                     check(ctx, param, value)
