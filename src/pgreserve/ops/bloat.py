@@ -145,11 +145,9 @@ class BloatMonitor:
             high = pct > cfg.dead_pct_warn and dead >= cfg.min_dead_tuples
             if high and once:
                 vacuumed = max((t for t in (last_av, last_v) if t is not None), default=None)
-                high_for = ((datetime.now(UTC) - vacuumed).total_seconds()
-                            if vacuumed is not None else float("inf"))
+                high_for = (cfg.window_s if vacuumed is None
+                            else (datetime.now(UTC) - vacuumed).total_seconds())
                 state = "warning" if high_for >= cfg.window_s else "high"
-                if high_for == float("inf"):
-                    high_for = cfg.window_s
             elif high:
                 since = self._high_since.setdefault(name, now)
                 high_for = now - since
