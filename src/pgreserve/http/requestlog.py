@@ -25,6 +25,9 @@ FORMATS = ("text", "json")
 Entry = tuple[float, str, str, int, str, int | None, str | None, float, str | None,
               str | None]
 
+# How long the writer waits after a write before it looks at the queue again.
+PAUSE_S = 0.02
+
 # Idempotency-Keys are at most 200 characters (longer ones are refused); a
 # refused one is logged cut to this length.
 KEY_CHARS = 200
@@ -67,12 +70,14 @@ class RequestLog:
     With `owns_stream` (a file the settings named) close() closes the stream too."""
 
     def __init__(self, fmt: str = "text", stream: IO[str] | None = None,
-                 max_pending: int = 100_000, *, owns_stream: bool = False) -> None:
+                 max_pending: int = 100_000, *, owns_stream: bool = False,
+                 pause: float = PAUSE_S) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"log format must be one of {FORMATS}, not {fmt!r}")
         self.format = format_json if fmt == "json" else format_text
         self.stream = stream
         self.owns_stream = owns_stream
+        self.pause = pause  # between two writes: lines wait at most about this long
         # Bounded: when the writer cannot keep up, lines are dropped (and counted)
         # rather than requests slowed or memory grown.
         self.queue: queue.Queue[Entry | threading.Event | None] = queue.Queue(max_pending)
@@ -96,19 +101,43 @@ class RequestLog:
                 self._thread.start()
 
     def _write(self) -> None:
+        """Write what is queued, then pause: a busy process's lines go out a pause's
+        worth at a time, in one write and one flush, instead of waking this thread,
+        taking the interpreter lock and calling write and flush once per request."""
         while True:
-            item = self.queue.get()
-            if item is None:
-                return
-            if isinstance(item, threading.Event):
-                item.set()
-                continue
-            stream = self.stream or sys.stderr
-            try:
-                stream.write(self.format(item) + "\n")
-                stream.flush()
-            except Exception:
-                logging.getLogger(__name__).debug("request log line lost", exc_info=True)
+            items = [self.queue.get()]
+            while True:
+                try:
+                    items.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            lines: list[str] = []
+            for item in items:
+                if item is None:
+                    self._put(lines)
+                    return
+                if isinstance(item, threading.Event):
+                    self._put(lines)  # every line emitted before it is out
+                    lines = []
+                    item.set()
+                    continue
+                try:
+                    lines.append(self.format(item))
+                except Exception:
+                    logging.getLogger(__name__).debug("request log line lost", exc_info=True)
+            self._put(lines)
+            time.sleep(self.pause)
+
+    def _put(self, lines: list[str]) -> None:
+        if not lines:
+            return
+        stream = self.stream or sys.stderr
+        try:
+            stream.write("\n".join(lines) + "\n")
+            stream.flush()
+        except Exception:
+            logging.getLogger(__name__).debug("%d request log lines lost", len(lines),
+                                              exc_info=True)
 
     def flush(self, timeout: float = 10.0) -> None:
         """Return once every line emitted so far is written."""

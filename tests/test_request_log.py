@@ -1,0 +1,80 @@
+"""The request log's writer: lines in order, written in bursts, none lost at flush or close."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+
+from pgreserve.http.requestlog import RequestLog
+
+
+class CountingStream(io.StringIO):
+    """A stream that counts its writes and flushes (from the writer thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes = 0
+        self.flushes = 0
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self.writes += 1
+            return super().write(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            self.flushes += 1
+        super().flush()
+
+
+def entry(n: int) -> tuple:  # type: ignore[type-arg]
+    return (1_700_000_000.0 + n, "POST", "/v1/reservations", 201, "ok", 1, f"key-{n}",
+            0.001, None, "127.0.0.1")
+
+
+def keys_written(stream: io.StringIO) -> list[str]:
+    return [json.loads(line)["request_key"] for line in stream.getvalue().splitlines()]
+
+
+def test_a_burst_of_lines_is_written_in_order_with_a_few_writes_not_one_per_line() -> None:
+    stream = CountingStream()
+    log = RequestLog("json", stream=stream)
+    try:
+        for n in range(2000):
+            log.emit(entry(n))
+        log.flush()
+        assert keys_written(stream) == [f"key-{n}" for n in range(2000)]
+        # one write and one flush per look at the queue: the burst takes a few looks,
+        # where writing line by line took 2,000 of each
+        assert stream.writes <= 100 and stream.flushes <= 100, (stream.writes, stream.flushes)
+    finally:
+        log.close()
+
+
+def test_flush_returns_once_every_earlier_line_is_out_and_close_writes_the_rest() -> None:
+    stream = CountingStream()
+    log = RequestLog("text", stream=stream, pause=0.2)
+    log.emit(entry(1))
+    log.flush()
+    assert 'request_key="key-1"' in stream.getvalue()
+    for n in range(2, 50):
+        log.emit(entry(n))
+    log.close()  # the writer is pausing: close still waits for these lines
+    text = stream.getvalue()
+    assert all(f'request_key="key-{n}"' in text for n in range(1, 50))
+    assert text.count("\n") == 49
+
+
+def test_an_entry_that_cannot_be_formatted_loses_only_its_own_line() -> None:
+    stream = CountingStream()
+    log = RequestLog("json", stream=stream)
+    try:
+        log.emit(entry(1))
+        log.emit(("not", "an", "entry"))  # type: ignore[arg-type]
+        log.emit(entry(3))
+        log.flush()
+        assert keys_written(stream) == ["key-1", "key-3"]
+    finally:
+        log.close()
