@@ -25,11 +25,15 @@ from test_http_api import assert_problem, put_stock
 
 
 @contextmanager
-def reply_lost_after_commit(server: EmbeddedServer, dsn: str, table: str) -> Iterator[None]:
+def reply_lost_after_commit(server: EmbeddedServer, dsn: str, table: str,
+                            also: str = "") -> Iterator[None]:
     """The next transaction that writes `table` commits (its commit record flushed
     locally) and loses its connection before the reply: its COMMIT waits for a
     synchronous standby that never comes, and the backend is terminated there, as the
-    fault suite does. Only the first such transaction; the server is set back after."""
+    fault suite does. Only the first such transaction; the server is set back after.
+    `also`: PL/pgSQL statements run in that same transaction (what another
+    transaction would commit right after it: a key revoked, the database made
+    read-only)."""
     admin = server.dsn("postgres")
     with psycopg.connect(admin, autocommit=True) as conn:
         # (the server's own values, set back after: the test server's come from ALTER
@@ -44,14 +48,15 @@ def reply_lost_after_commit(server: EmbeddedServer, dsn: str, table: str) -> Ite
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("CREATE TABLE pgreserve.lost_reply_armed (n int)")
             conn.execute("INSERT INTO pgreserve.lost_reply_armed VALUES (1)")
-            conn.execute("""CREATE FUNCTION pgreserve.lost_reply_arm() RETURNS trigger
+            conn.execute(sql.SQL("""CREATE FUNCTION pgreserve.lost_reply_arm() RETURNS trigger
                 LANGUAGE plpgsql AS $$ BEGIN
                   IF EXISTS (SELECT 1 FROM pgreserve.lost_reply_armed) THEN
                     DELETE FROM pgreserve.lost_reply_armed;
                     PERFORM set_config('synchronous_commit', 'on', true);
+                    {also}
                   END IF;
                   RETURN NULL;
-                END $$""")
+                END $$""").format(also=sql.SQL(also)))  # (the test's own statements)
             conn.execute(f"CREATE TRIGGER lost_reply_arm AFTER INSERT OR UPDATE OR DELETE"
                          f" ON pgreserve.{table} FOR EACH STATEMENT"
                          f" EXECUTE FUNCTION pgreserve.lost_reply_arm()")

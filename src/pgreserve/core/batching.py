@@ -125,6 +125,7 @@ class _Pending:
     turn: asyncio.Event | None = None
     timer: asyncio.TimerHandle | None = None  # its deadline, until it is answered
     sent_until: float = 0.0  # the deadline of the batch it was last sent in
+    queued: float = 0.0  # when it was queued (monotonic)
 
     def finish(self) -> None:
         self.done = True
@@ -204,7 +205,7 @@ class Combiner:
                               "retry later")
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         future.add_done_callback(_retrieve)
-        pending = _Pending(request, future, current_deadline())
+        pending = _Pending(request, future, current_deadline(), queued=time.monotonic())
         queue.append(pending)
         if pending.end is not None:
             # answered Busy at its deadline if it is still queued then, also while
@@ -289,18 +290,16 @@ class Combiner:
         unbatched call would: `pool_wait_s`, never past its own deadline. A wait that
         ends without one answers Busy to the requests whose wait is over; the others
         wait on. False when none is left."""
-        limit = time.monotonic() + self.db.settings.pool_wait_s
+        wait = self.db.settings.pool_wait_s
         while queue:
+            limit = min(p.queued for p in queue) + wait
             bound = _before(limit, _earliest(queue))
             try:
                 await session.connection(wait=max(0.0, bound - time.monotonic()))
                 return True
             except PoolTimeout as exc:
-                busy = errors.Busy(f"no database connection was free: {exc}")
-                if time.monotonic() + 0.001 >= limit:  # every queued request's wait is over
-                    self._drop_late(queue, busy, every=True)
-                else:
-                    self._drop_late(queue, busy)
+                self._drop_late(queue, errors.Busy(f"no database connection was free: {exc}"),
+                                waited=wait)
         return False
 
     async def _turn_over(self, pending: _Pending, queue: deque[_Pending]) -> None:
@@ -334,17 +333,24 @@ class Combiner:
         return max(e for e in ends if e is not None)
 
     def _drop_late(self, queue: deque[_Pending], busy: errors.Busy | None = None, *,
-                   every: bool = False) -> None:
+                   waited: float | None = None) -> None:
         """Answer Busy (`busy`, else the late one) to the queued requests past their
-        deadline, or to all of them with `every` (never sent)."""
+        deadline and, given `waited`, to those queued that long ago or longer."""
         now = time.monotonic()
-        late = [p for p in queue if every or (p.end is not None and p.end <= now)]
-        if late:
-            kept = [p for p in queue if not every and (p.end is None or p.end > now)]
+        # (a pool wait may end a hair early: its requests count as having waited)
+        queued_by = None if waited is None else now + 0.001 - waited
+
+        def late(p: _Pending) -> bool:
+            return ((p.end is not None and p.end <= now)
+                    or (queued_by is not None and p.queued <= queued_by))
+
+        dropped = [p for p in queue if late(p)]
+        if dropped:
+            kept = [p for p in queue if not late(p)]
             queue.clear()
             queue.extend(kept)
-            self.stats.busy += len(late)
-            _fail(late, busy or _late_busy())
+            self.stats.busy += len(dropped)
+            _fail(dropped, busy or _late_busy())
 
     def _next_batch(self, queue: deque[_Pending]) -> list[_Pending]:
         """Up to max_batch queued requests; those past their deadline are answered
@@ -385,15 +391,17 @@ class Combiner:
         for pending in batch:
             pending.sent_until = until
         sent: Sequence[_Pending] = batch
+        after_lost = False  # an earlier attempt's statement may have committed
 
-        def values() -> tuple[Any, ...]:
+        def values(may_have_committed: bool) -> tuple[Any, ...]:
             # Each attempt (a retry after a lost connection or a conflict, the halves
             # of a split) sends only the requests not answered yet. One answered
             # already (OutcomeUnknown at its deadline, while its batch was in flight)
             # is not sent again: between attempts no transaction holds its key, and a
             # lookup of the key then rightly says it has no answer; one sent again
             # would commit after that.
-            nonlocal sent
+            nonlocal sent, after_lost
+            after_lost = may_have_committed
             sent = [p for p in batch if not p.future.done()]
             if not sent:
                 raise _NothingLeft
@@ -446,7 +454,17 @@ class Combiner:
                 continue
             if retried is None and isinstance(answer, dict) and answer.get("retry"):
                 retried = pending
-            if not pending.future.done():
+            if pending.future.done():
+                continue
+            if after_lost and isinstance(answer, dict) and answer.get("error") == "PR403":
+                # The key is refused now, but the attempt that lost its connection
+                # checked it before: if it was accepted then, that attempt may have
+                # committed this request, whose stored answer a refusal now hides.
+                pending.future.set_exception(errors.OutcomeUnknown(
+                    "the API key was refused when the batch was sent again after a lost "
+                    "connection; the earlier attempt may have committed this request: "
+                    "look its request key up with a key that is still valid"))
+            else:
                 pending.future.set_result(answer)
         decided = len(sent) - len(later)  # at least the retried one
         self.stats.requests -= len(later)

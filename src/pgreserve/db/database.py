@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import random
@@ -383,7 +384,7 @@ class Database:
         return Session(self, op)
 
     async def call(self, sql: LiteralString,
-                   params: Sequence[Any] | Callable[[], Sequence[Any]] = (),
+                   params: Sequence[Any] | Callable[[bool], Sequence[Any]] = (),
                    *, op: Op | None = None, session: Session | None = None,
                    deadline: float | None = None, replay_safe: bool = True) -> Any:
         """Run one statement in its own transaction and return the first column of the first row.
@@ -394,8 +395,9 @@ class Database:
         surface as Busy. Typed SQLSTATEs become their PgReserveError.
 
         `params` may be a function, called for each attempt's values once it has its
-        connection (a batch sends again only the requests not answered yet); an
-        exception it raises ends the call.
+        connection (a batch sends again only the requests not answered yet), with
+        whether an earlier attempt's statement may have committed; an exception it
+        raises ends the call.
 
         `replay_safe=False`: an operation whose second run would answer otherwise
         once the first committed (a conditional write: its condition no longer holds;
@@ -422,14 +424,15 @@ class Database:
             attempt += 1
             wait = 0.0
             progress = _Progress()
+            values = functools.partial(params, lost_before) if callable(params) else params
             try:
                 wait = self._pool_wait(end)
                 if session is not None:
                     conn = await session.connection(wait)
-                    result = await self._run(conn, sql, params, end, wait_for_units,
+                    result = await self._run(conn, sql, values, end, wait_for_units,
                                              not replay_safe, progress)
                 else:
-                    result = await self._once(sql, params, op, wait, end, wait_for_units,
+                    result = await self._once(sql, values, op, wait, end, wait_for_units,
                                               not replay_safe, progress)
                 if lost_before:
                     self._emit(op, "unknown_outcome_resolved")
@@ -482,6 +485,8 @@ class Database:
                                             state) from exc
                     await asyncio.sleep(delay)
                     continue
+                if lost_before:  # an earlier attempt may have committed
+                    raise self._gave_up(op, True, f"a retry failed: {_said(exc)}") from exc
                 raise
 
     async def _once(self, sql: LiteralString,

@@ -215,7 +215,8 @@ class FastPath:
             assert digest is not None
             response = problems.error_response(refused_in_batch(state, scope, digest))
         except errors.PgReserveError as exc:
-            if digest is not None and await refused_now(state, bearer_key(bearer)):
+            if (digest is not None and not isinstance(exc, errors.OutcomeUnknown)
+                    and await refused_now(state, bearer_key(bearer))):
                 # the request failed before its batch checked the key (its request key,
                 # its cart, its reservation id, a request in flight under its key): as
                 # on FastAPI's route, which checks the key first, the key's 401 wins
