@@ -127,6 +127,10 @@ class _Pending:
     sent_until: float = 0.0  # the deadline of the batch it was last sent in
     queued: float = 0.0  # when it was queued (monotonic)
 
+    def gone(self) -> bool:
+        """Its caller gave up before it was answered."""
+        return self.done and not self.future.done()
+
     def finish(self) -> None:
         self.done = True
         if self.turn is not None:
@@ -186,8 +190,9 @@ class Combiner:
         `{"error": sqlstate, ...}`, `{"skipped": true}` or `{"retry": true}`; a
         caller that sends a retried request alone uses `request` instead.
 
-        The caller's cancellation does not cancel the request: it stays in its
-        batch, which commits, and its key keeps the answer for a retry.
+        The caller's cancellation does not take the request out of a batch in flight:
+        that batch may commit it, and its key keeps the answer for a retry. A request
+        not sent yet is not sent (nothing of it is written).
         """
         async with self.request(tenant, bucket, request) as answer:
             return answer
@@ -360,6 +365,13 @@ class Combiner:
         while queue and len(batch) < self.config.max_batch:
             pending = queue.popleft()
             end = pending.end
+            if pending.gone():
+                # its caller gave up before it was sent: nothing of it was written and
+                # no lock shows it, so a lookup of its key rightly says it was never
+                # used; sent now, it would commit after that (unbatched, a cancelled
+                # call is never sent either)
+                pending.future.cancel()
+                continue
             if end is not None and end <= now:
                 self.stats.busy += 1
                 _fail([pending], _late_busy())
@@ -395,14 +407,15 @@ class Combiner:
 
         def values(may_have_committed: bool) -> tuple[Any, ...]:
             # Each attempt (a retry after a lost connection or a conflict, the halves
-            # of a split) sends only the requests not answered yet. One answered
-            # already (OutcomeUnknown at its deadline, while its batch was in flight)
-            # is not sent again: between attempts no transaction holds its key, and a
-            # lookup of the key then rightly says it has no answer; one sent again
-            # would commit after that.
+            # of a split) sends only the requests not answered yet and whose caller
+            # still waits. One answered already (OutcomeUnknown at its deadline, while
+            # its batch was in flight) or whose caller gave up is not sent again:
+            # between attempts no transaction holds its key, and a lookup of the key
+            # then rightly says it has no answer; one sent again would commit after
+            # that.
             nonlocal sent, after_lost
             after_lost = may_have_committed
-            sent = [p for p in batch if not p.future.done()]
+            sent = [p for p in batch if not p.future.done() and not p.gone()]
             if not sent:
                 raise _NothingLeft
             requests = [p.request for p in sent]
