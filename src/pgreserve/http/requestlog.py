@@ -16,6 +16,7 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import IO, Any
 
 FORMATS = ("text", "json")
@@ -62,6 +63,26 @@ def outcome_of(status: int, replayed: bool) -> str:
     if status < 400:
         return "ok"
     return "refused" if status < 500 else "failed"
+
+
+# At most this many bytes per write: what POSIX writes to a pipe in one piece (PIPE_BUF).
+CHUNK = 4096
+
+
+def chunks(lines: list[str]) -> Iterator[str]:
+    """The lines, newline-ended, joined into strings of at most CHUNK bytes in UTF-8 (a
+    longer line alone in its own)."""
+    part: list[str] = []
+    size = 0
+    for line in lines:
+        n = (len(line) if line.isascii() else len(line.encode())) + 1
+        if part and size + n > CHUNK:
+            yield "".join(part)
+            part, size = [], 0
+        part.append(line + "\n")
+        size += n
+    if part:
+        yield "".join(part)
 
 
 class RequestLog:
@@ -129,15 +150,16 @@ class RequestLog:
             time.sleep(self.pause)
 
     def _put(self, lines: list[str]) -> None:
-        if not lines:
-            return
+        """Write `lines` in chunks of whole lines of at most CHUNK bytes, each flushed
+        on its own: one write each, which a pipe (and an O_APPEND file) takes whole,
+        so the lines of several processes sharing the stream never mix."""
         stream = self.stream or sys.stderr
-        try:
-            stream.write("\n".join(lines) + "\n")
-            stream.flush()
-        except Exception:
-            logging.getLogger(__name__).debug("%d request log lines lost", len(lines),
-                                              exc_info=True)
+        for chunk in chunks(lines):
+            try:
+                stream.write(chunk)
+                stream.flush()
+            except Exception:
+                logging.getLogger(__name__).debug("request log lines lost", exc_info=True)
 
     def flush(self, timeout: float = 10.0) -> None:
         """Return once every line emitted so far is written."""
