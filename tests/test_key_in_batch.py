@@ -237,3 +237,32 @@ async def test_a_revoked_key_in_a_batch_is_refused_and_the_others_are_held(
                        **{f"drop-{i}": 401 for i in range(4)}}
     assert not any(k.startswith("drop-") for k in ledger_keys(dsn))
     assert svc.combiner is not None and svc.combiner.stats.batches < 10
+
+
+@pytest.mark.parametrize("batching", [True, False])
+async def test_a_refused_key_wins_over_a_bad_id_or_request_key_batched_or_not(
+        db: Database, batching: bool) -> None:
+    """claim and release with an API key to check and an id or request key that is also
+    wrong: the key's refusal comes first, as it does unbatched (the key is checked before
+    anything else is looked at); with a good key, the id or key's own error."""
+    from pgreserve.errors import ReservationNotFound
+
+    svc = ReservationService(db, batching=batching)
+    tenant, key = await svc.create_tenant_with_key("shop")
+    _, other = await svc.create_tenant_with_key("other")
+    await svc.set_stock(tenant.id, "s", "w", 10)
+    good, bad = apikeys.hash_key(key), apikeys.hash_key(other)
+    held = await svc.reserve(tenant.id, "k1", [("s", "w", 1)], api_key_hash=good)
+    assert held.reservation is not None
+    for operation in (svc.claim, svc.release):
+        with pytest.raises(ApiKeyRefused):
+            await operation(tenant.id, "not-an-id", api_key_hash=bad)
+        with pytest.raises(ApiKeyRefused):
+            await operation(tenant.id, held.reservation.id, request_key="",
+                            api_key_hash=bad)
+        with pytest.raises(ReservationNotFound):
+            await operation(tenant.id, "not-an-id", api_key_hash=good)
+        with pytest.raises(InvalidRequest):
+            await operation(tenant.id, held.reservation.id, request_key="",
+                            api_key_hash=good)
+    assert (await svc.get_reservation(tenant.id, held.reservation.id)).status.value == "active"

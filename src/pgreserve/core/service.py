@@ -1240,9 +1240,14 @@ class ReservationService:
         combiner = self.combiner
         if combiner is None:
             return None
-        tenant = check.tenant_id(tenant)
-        rid = parse_reservation_id(reservation_id)
-        key = check.request_key(request_key) if request_key is not None else None
+        try:
+            tenant = check.tenant_id(tenant)
+            rid = parse_reservation_id(reservation_id)
+            key = check.request_key(request_key) if request_key is not None else None
+        except (InvalidRequest, ReservationNotFound):
+            # the unbatched call says what is wrong, after the API key's check, as it
+            # would without batching
+            return None
         bucket = await self._reservation_bucket(tenant, rid)
         if bucket is None:
             return None
