@@ -8,8 +8,11 @@ from typing import Any
 import psycopg
 
 from pgreserve import Database, ReservationService, Tenant, apikeys
+from pgreserve.db.database import TxSettings
 from pgreserve.db.embedded import EmbeddedServer
 from pgreserve.errors import ApiKeyRefused, OutcomeUnknown, RequestInProgress, RequestNotFound
+from test_batching import bucket_id, bucket_locked
+from test_concurrency import wait_until_blocked
 from test_lost_reply import reply_lost_after_commit
 
 
@@ -206,3 +209,51 @@ async def test_http_lost_reply_then_failed_retry_is_503_outcome_unknown(
     assert rx.status_code == 503 and rx.json()["code"] == "outcome_unknown", (
         rx.status_code, rx.text)
     assert "Retry-After" in rx.headers
+
+
+async def test_a_request_queued_behind_a_long_batch_still_gets_its_pool_wait(
+        dsn: str, tenant: Tenant, service: ReservationService) -> None:
+    """b queues behind a batch in flight that waits 0.9 s on the bucket row (longer than
+    pool_wait_s=0.5): b has not waited for a connection at all (the drain held one). When
+    that batch ends, others wait for the pool, so the drain hands its connection back and
+    takes one again: b gets its whole pool_wait_s then (an unbatched call would have had
+    a connection at once and waited on the row lock), and a connection is free 0.2 s
+    later. (Counted from b's queueing, its wait was over: Busy at once.)"""
+    await service.set_stock(tenant.id, "s", "w", 10)
+    bucket = await bucket_id(service.db, tenant.id, "s")
+    async with Database(dsn, min_size=2, max_size=2,
+                        settings=TxSettings(pool_wait_s=0.5)) as db:
+        svc = ReservationService(db)
+        assert (await svc.reserve(tenant.id, "warm", [("s", "w", 1)])).held  # bucket cached
+        give_back = asyncio.Event()
+        taken = asyncio.Event()
+
+        async def occupy() -> None:
+            async with db.pool.connection():
+                taken.set()
+                await give_back.wait()
+
+        async def other_caller() -> None:  # someone else waiting for the pool
+            async with db.pool.connection(timeout=5):
+                await asyncio.sleep(0.2)
+
+        with bucket_locked(db.conninfo, bucket) as blocker:
+            a = asyncio.ensure_future(svc.reserve(tenant.id, "a", [("s", "w", 1)]))
+            await wait_until_blocked(db.conninfo)
+            b = asyncio.ensure_future(svc.reserve(tenant.id, "b", [("s", "w", 1)]))
+            await asyncio.sleep(0.8)  # b waits behind a's batch, longer than pool_wait_s
+            holder = asyncio.ensure_future(occupy())
+            await taken.wait()
+            waiter = asyncio.ensure_future(other_caller())
+            await asyncio.sleep(0.05)  # the other caller waits for the pool now
+            blocker.rollback()
+        ra = await a
+        assert ra.held
+        await asyncio.sleep(0.15)
+        give_back.set()
+        await holder
+        await waiter
+        rb = await asyncio.gather(b, return_exceptions=True)
+    assert not isinstance(rb[0], BaseException), (
+        f"b was answered {rb[0]!r} without any wait for a connection")
+    assert rb[0].held

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import threading
+import time
 
 from pgreserve.http.requestlog import RequestLog
 
@@ -107,3 +108,28 @@ def test_each_write_is_whole_lines_of_at_most_a_pipe_buffer() -> None:
     for part in stream.parts:
         assert part.endswith("\n")
         assert len(part.encode()) <= 4096, len(part.encode())
+
+
+def test_a_line_the_writer_cannot_encode_loses_only_itself() -> None:
+    """A line holding a lone surrogate (a str field from a library caller or another
+    ASGI server; sys.stderr writes it backslash-escaped) is measured and written
+    without ending the writer thread: the lines after it are written, and flush()
+    returns at once."""
+    stream = io.StringIO()
+    log = RequestLog("text", stream=stream)
+    try:
+        log.emit((1_700_000_000.0, "POST", "/v1/reservations", 201, "ok", 1, "a", 0.001,
+                  None, "10.0.0.1\udc80"))
+        log.emit((1_700_000_000.0, "POST", "/v1/reservations", 201, "ok", 1, "b", 0.001,
+                  None, "10.0.0.2"))
+        log.flush(timeout=2.0)
+        log.emit((1_700_000_001.0, "POST", "/v1/reservations", 201, "ok", 1, "c", 0.001,
+                  None, "10.0.0.3"))
+        started = time.monotonic()
+        log.flush(timeout=2.0)
+        took = time.monotonic() - started
+    finally:
+        log.close()
+    text = stream.getvalue()
+    assert 'request_key="b"' in text and 'request_key="c"' in text, text
+    assert took < 1.0, f"flush() waited {took:.1f} s: the writer thread is dead"

@@ -125,7 +125,7 @@ class _Pending:
     turn: asyncio.Event | None = None
     timer: asyncio.TimerHandle | None = None  # its deadline, until it is answered
     sent_until: float = 0.0  # the deadline of the batch it was last sent in
-    queued: float = 0.0  # when it was queued (monotonic)
+    queued: float = 0.0  # when it began to wait for a connection (monotonic)
 
     def gone(self) -> bool:
         """Its caller gave up before it was answered."""
@@ -296,6 +296,9 @@ class Combiner:
         ends without one answers Busy to the requests whose wait is over; the others
         wait on. False when none is left."""
         wait = self.db.settings.pool_wait_s
+        started = time.monotonic()
+        for p in queue:  # (time behind a batch in flight or a turn is no pool wait)
+            p.queued = max(p.queued, started)
         while queue:
             limit = min(p.queued for p in queue) + wait
             bound = _before(limit, _earliest(queue))

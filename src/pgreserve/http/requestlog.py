@@ -75,7 +75,8 @@ def chunks(lines: list[str]) -> Iterator[str]:
     part: list[str] = []
     size = 0
     for line in lines:
-        n = (len(line) if line.isascii() else len(line.encode())) + 1
+        n = (len(line) if line.isascii()
+             else len(line.encode("utf-8", "backslashreplace"))) + 1
         if part and size + n > CHUNK:
             yield "".join(part)
             part, size = [], 0
@@ -150,6 +151,13 @@ class RequestLog:
             time.sleep(self.pause)
 
     def _put(self, lines: list[str]) -> None:
+        """Write `lines` (see _write_chunks); nothing it meets ends the writer thread."""
+        try:
+            self._write_chunks(lines)
+        except Exception:
+            logging.getLogger(__name__).debug("request log lines lost", exc_info=True)
+
+    def _write_chunks(self, lines: list[str]) -> None:
         """Write `lines` in chunks of whole lines of at most CHUNK bytes, each flushed
         on its own: one write each, which a pipe (and an O_APPEND file) takes whole,
         so the lines of several processes sharing the stream never mix."""
