@@ -218,7 +218,7 @@ BEGIN
         END IF;
         IF b.free - b.safety_stock < (SELECT min(q) FROM unnest(p_quantities) AS q)
            AND b.backorder_limit = 0 THEN
-            v_now := coalesce(p_now, clock_timestamp());
+            -- (expiry judged at the statement's own instant, read inside it)
             SELECT x.free, x.safety_stock,
                    x.free - x.safety_stock < (SELECT min(q) FROM unnest(p_quantities) AS q)
                    AND x.backorder_limit = 0
@@ -226,9 +226,11 @@ BEGIN
                                    WHERE u.tenant_id = p_tenant AND u.bucket_id = p_bucket)
                    AND NOT EXISTS (SELECT 1 FROM reservation_line l
                                    WHERE l.tenant_id = p_tenant AND l.bucket_id = p_bucket
-                                     AND l.held AND l.expires_at <= v_now)
-            INTO v_free, v_safety, v_looked
-            FROM stock_bucket x WHERE x.tenant_id = p_tenant AND x.bucket_id = p_bucket;
+                                     AND l.held AND l.expires_at <= t.at),
+                   t.at
+            INTO v_free, v_safety, v_looked, v_now
+            FROM stock_bucket x, LATERAL (SELECT coalesce(p_now, clock_timestamp()) AS at) t
+            WHERE x.tenant_id = p_tenant AND x.bucket_id = p_bucket;
         END IF;
     END IF;
     IF v_looked THEN
@@ -307,9 +309,12 @@ BEGIN
                     WHERE tenant_id = p_tenant AND bucket_id = p_bucket;
                     v_dfree := 0; v_don_hand := 0; v_dshortfall := 0;
                 END IF;
-                -- (it sees free beyond the safety stock only)
+                -- (it sees free beyond the safety stock only; it judges expiry at
+                -- its own instant: a hold may have passed its expiry since v_now,
+                -- and what others took since is gone from what it reads)
                 SELECT * INTO v_units, v_free, v_others, v_shortfall
-                FROM bucket_batch_look_v1(p_tenant, p_bucket, b.strategy, b.pool_cap, v_now,
+                FROM bucket_batch_look_v1(p_tenant, p_bucket, b.strategy, b.pool_cap,
+                                          coalesce(p_now, clock_timestamp()),
                                           i, p_kinds, p_quantities, v_units,
                                           v_free - v_safety, r_ids);
                 v_free := v_free + v_safety;
@@ -430,7 +435,8 @@ BEGIN
                         END IF;
                         SELECT * INTO v_units, v_free, v_others, v_shortfall
                         FROM bucket_batch_look_v1(p_tenant, p_bucket, b.strategy, b.pool_cap,
-                                                  v_now, i, p_kinds, p_quantities, v_units,
+                                                  coalesce(p_now, clock_timestamp()), i,
+                                                  p_kinds, p_quantities, v_units,
                                                   v_free - v_safety, r_ids);
                         v_free := v_free + v_safety;
                     END IF;
