@@ -28,7 +28,7 @@ from ..db.embedded import EmbeddedServer
 from ..errors import InvalidRequest
 from ..schema_cli import schema_option
 from .http import HttpTarget
-from .scenario import MAX_PROCESSES, Scenario
+from .scenario import MAX_BUYERS, MAX_PROCESSES, MAX_UNITS, Scenario
 
 if TYPE_CHECKING:
     from .durability import Durability
@@ -166,8 +166,8 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
     @click.command("flash-sale")
     @click.option("--units", type=int, default=5_000, show_default=True,
                   help="Units seeded per SKU.")
-    @click.option("--buyers", type=int, default=64, show_default=True,
-                  help="Concurrent buyers, one connection each.")
+    @click.option("--buyers", type=click.IntRange(1, MAX_BUYERS), default=64,
+                  show_default=True, help="Concurrent buyers, one connection each.")
     @click.option("--processes", type=int, default=None,
                   help="Client processes the buyers are spread over, each an asyncio loop, "
                        f"at most {MAX_PROCESSES} [default: one per CPU this process may run "
@@ -188,8 +188,8 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
                        "failed); the rest stay held.")
     @click.option("--expire", type=float, default=0.0, show_default=True,
                   help="Share of holds given a short TTL and left to expire.")
-    @click.option("--expire-ttl", type=float, default=1.0, show_default=True,
-                  help="TTL in seconds of the holds left to expire.")
+    @click.option("--expire-ttl", type=click.FloatRange(1.0, 3600.0), default=1.0,
+                  show_default=True, help="TTL in seconds of the holds left to expire.")
     @click.option("--strategy", type=click.Choice(["row", "pool", "all"]), default="all",
                   show_default=True)
     @click.option("--batching", type=click.Choice(["on", "off", "both"]), default="both",
@@ -202,7 +202,7 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
                   help="Run the background pool replenisher during pool runs, as "
                        "`pgreserve worker` does (without it, pools refill only inline, "
                        "when a buyer finds them dry).")
-    @click.option("--takes", type=int, default=None,
+    @click.option("--takes", type=click.IntRange(1, MAX_UNITS), default=None,
                   help="Long run: this many single-unit holds on one pool bucket; reports the "
                        "p99 of the first and the last --window holds.")
     @click.option("--window", type=int, default=10_000, show_default=True)
@@ -312,6 +312,13 @@ def make_flash_sale(before_check: BeforeCheck | None = None) -> click.Command:
             _write("--plot", plot_path, lambda: report.write_plot(plot_path, runs), err)
         if not all(run.invariants_ok for run in runs):
             err.print("[bold red]invariants failed[/]")
+            raise SystemExit(1)
+        failed = [run for run in runs if not run.measures]
+        for run in failed:
+            err.print(f"[bold yellow]warning: the {run.strategy} {run.mode} run had "
+                      f"{run.errors:,} errors in {run.requests:,} requests, over 1%: its "
+                      f"rates do not measure holds, and no ratio uses them[/]")
+        if failed:
             raise SystemExit(1)
 
     return flash_sale
@@ -455,7 +462,7 @@ def http_bench(seconds: int, rounds: int, warmup: int, connections: int, threads
     """
     from ..http.gc_tuning import threshold_from_env
     from . import report
-    from .wrk import run_http_bench, service_environment, wrk_path
+    from .wrk import SERVICE_FLAGS, run_http_bench, service_environment, wrk_path
 
     try:
         threshold_from_env()  # both servers' workers read it
@@ -522,6 +529,7 @@ def http_bench(seconds: int, rounds: int, warmup: int, connections: int, threads
             "pool_cap": pool_cap, "durable": durability.durable,
             "durability": durability.to_dict(), "database": where,
             "service_environment": service_environment(),
+            "service_flags": list(SERVICE_FLAGS),
             "client": "wrk (Lua: POST /v1/reservations, one-line cart, fresh Idempotency-Key)"}}
         _write("--json", json_path, lambda: report.write_json(json_path, doc), err)
     if not result.ok:

@@ -60,6 +60,10 @@ class Ledger:
     shortfall: int
 
 
+# A run whose errors exceed this share of its requests does not measure holds.
+FAILED_SHARE = 0.01
+
+
 @dataclass
 class RunResult:
     """Everything one strategy's run recorded; figures are derived on demand."""
@@ -229,6 +233,13 @@ class RunResult:
     def invariants_ok(self) -> bool:
         return all(self.invariants().values())
 
+    @property
+    def measures(self) -> bool:
+        """Whether its rates measure holds: its invariants held and at most 1% of its
+        requests (claims and releases included) ended in an error, as `bench http`
+        asks of a run (a run that mostly failed looked fast)."""
+        return self.invariants_ok and self.errors <= FAILED_SHARE * max(1, self.requests)
+
     # -- the database's view ---------------------------------------------------
 
     def db_view(self) -> dict[str, Any]:
@@ -327,14 +338,20 @@ def ratios(runs: Sequence[Rated]) -> dict[str, float | None]:
         by = {r.strategy: r for r in runs}
         row_, pool_ = by.get("row"), by.get("pool")
         if row_ and pool_:
-            out["pool_over_row_reservations_per_s"] = _div(pool_.reservations_per_s,
+            out["pool_over_row_reservations_per_s"] = _ratio(pool_.reservations_per_s,
                                                             row_.reservations_per_s)
         for run in runs:
-            out[f"{run.strategy}_rejections_over_reservations_per_s"] = _div(
+            out[f"{run.strategy}_rejections_over_reservations_per_s"] = _ratio(
                 run.rejections_per_s, run.reservations_per_s)
         return out
     flash = [r for r in runs if isinstance(r, RunResult)]
     modes = {(r.strategy, r.mode): r for r in flash}
+
+    def measured(a: float | None, b: float | None, *of: RunResult) -> float | None:
+        # (a run that does not measure holds gives no ratio: null, its figures stay
+        # in its own entry)
+        return _ratio(a, b) if all(r.measures for r in of) else None
+
     mode_order = [m for m in ("batched", "service", "unbatched")
                   if any(r.mode == m for r in flash)]
     for mode in mode_order:
@@ -343,19 +360,19 @@ def ratios(runs: Sequence[Rated]) -> dict[str, float | None]:
             # the bare name is the batched runs' figure only, never another mode's
             name = "pool_over_row_reservations_per_s" if mode == "batched" \
                 else f"pool_over_row_{mode}_reservations_per_s"
-            out[name] = _div(pool.reservations_per_s, row.reservations_per_s)
+            out[name] = measured(pool.reservations_per_s, row.reservations_per_s, pool, row)
     for strategy in dict.fromkeys(r.strategy for r in flash):
         on, off = modes.get((strategy, "batched")), modes.get((strategy, "unbatched"))
         if on and off:
-            out[f"{strategy}_batched_over_unbatched_reservations_per_s"] = _div(
-                on.reservations_per_s, off.reservations_per_s)
-            out[f"{strategy}_batched_over_unbatched_p99_latency"] = _div(
-                on.latency_ms()["p99"], off.latency_ms()["p99"])
+            out[f"{strategy}_batched_over_unbatched_reservations_per_s"] = measured(
+                on.reservations_per_s, off.reservations_per_s, on, off)
+            out[f"{strategy}_batched_over_unbatched_p99_latency"] = measured(
+                on.latency_ms()["p99"], off.latency_ms()["p99"], on, off)
         for mode in mode_order:
             one = modes.get((strategy, mode))
             if one is not None:
-                out[f"{strategy}_{mode}_rejections_over_reservations_per_s"] = _div(
-                    one.rejections_per_s, one.reservations_per_s)
+                out[f"{strategy}_{mode}_rejections_over_reservations_per_s"] = measured(
+                    one.rejections_per_s, one.reservations_per_s, one)
     return out
 
 
@@ -371,20 +388,26 @@ def comparison(runs: Sequence[RunResult]) -> list[dict[str, Any]]:
                              "p99_ms": run.latency_ms()["p99"],
                              "held_p99_ms": run.latency_ms((HELD,))["p99"],
                              "batch_sizes": run.batch_sizes()}
+        measured = {r.mode for r in runs if r.strategy == strategy and r.measures}
         on, off = doc.get("batched"), doc.get("unbatched")
+        # (null from a run that does not measure holds)
         if on and off:
-            doc["batched_over_unbatched_reservations_per_s"] = _div(
-                on["reservations_per_s"], off["reservations_per_s"])
-            doc["batched_over_unbatched_p99"] = _div(on["p99_ms"], off["p99_ms"])
+            both = {"batched", "unbatched"} <= measured
+            doc["batched_over_unbatched_reservations_per_s"] = _ratio(
+                on["reservations_per_s"], off["reservations_per_s"]) if both else None
+            doc["batched_over_unbatched_p99"] = _ratio(
+                on["p99_ms"], off["p99_ms"]) if both else None
         if on:
-            doc["rejections_over_batched_reservations_per_s"] = _div(
-                on["rejections_per_s"], on["reservations_per_s"])
+            doc["rejections_over_batched_reservations_per_s"] = _ratio(
+                on["rejections_per_s"], on["reservations_per_s"]) \
+                if "batched" in measured else None
         out.append(doc)
     return out
 
 
-def _div(a: float | None, b: float | None) -> float | None:
+def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
+
 
 
 def _us(sample: Sample) -> int:

@@ -11,6 +11,7 @@ from ..errors import InvalidRequest
 Fate = Literal["claim", "release", "expire", "keep"]
 STRATEGIES = ("row", "pool")
 MAX_BUYERS = 250  # the embedded server allows 300 connections
+MAX_UNITS = 10_000_000
 MAX_PROCESSES = 32
 
 
@@ -53,7 +54,7 @@ class Scenario:
     location: str = field(default="wh-1")
 
     def __post_init__(self) -> None:
-        _int(self.units, "units", 1, 10_000_000)
+        _int(self.units, "units", 1, MAX_UNITS)
         _int(self.requests, "requests", 1, 50_000_000)
         _int(self.buyers, "buyers", 1, MAX_BUYERS)
         _int(self.processes, "processes", 1, min(MAX_PROCESSES, self.buyers))

@@ -112,8 +112,16 @@ end
 _SECRET_WORDS = ("PASSWORD", "SECRET", "KEY", "TOKEN")
 
 
+# The flags service_argv gives `serve`, and the variables they override there.
+SERVICE_FLAGS = ("--no-request-log",)
+_OVERRIDDEN = {"PGRESERVE_REQUEST_LOG": "--no-request-log",
+               "PGRESERVE_REQUEST_LOG_FILE": "--no-request-log",
+               "PGRESERVE_REQUEST_LOG_FORMAT": "--no-request-log"}
+
+
 def service_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The PGRESERVE_* variables both servers inherit from the bench, secrets masked."""
+    """The PGRESERVE_* variables both servers inherit from the bench, secrets masked;
+    one a flag of service_argv overrides in the service is marked so."""
     env = os.environ if environ is None else environ
     out = {}
     for name in sorted(n for n in env if n.startswith("PGRESERVE_")):
@@ -122,6 +130,8 @@ def service_environment(environ: Mapping[str, str] | None = None) -> dict[str, s
             value = mask_password(value)
         elif any(word in name for word in _SECRET_WORDS) and not name.endswith("_SECONDS"):
             value = "***"
+        if name in _OVERRIDDEN:
+            value += f" (not applied to the service: the bench runs it with {_OVERRIDDEN[name]})"
         out[name] = value
     return out
 
@@ -229,16 +239,23 @@ class HttpBench:
 
     @property
     def ratio(self) -> float | None:
+        """Service holds/s over bare requests/s; None when a measured run of either
+        server failed (failing_rounds): its figures do not measure what they name."""
+        if self.failing_rounds():
+            return None
         bare, held = self.bare.total.created_per_s, self.service.total.created_per_s
         return held / bare if held is not None and bare else None
 
     def round_ratios(self) -> list[float | None]:
-        """Each round's service holds/s over its bare requests/s."""
+        """Each round's service holds/s over its bare requests/s (None for a round in
+        which either server's run failed)."""
+        failed = {f["round"] for f in self.failing_rounds()}
         bare = {s.round: s.created_per_s for s in self.bare.segments}
         ratios: list[float | None] = []
         for segment in self.service.segments:
             held, base = segment.created_per_s, bare.get(segment.round)
-            ratios.append(held / base if held is not None and base else None)
+            ratios.append(held / base if held is not None and base
+                          and segment.round not in failed else None)
         return ratios
 
     def books_check(self) -> dict[str, Any]:
@@ -384,7 +401,7 @@ def service_argv(dsn: str, port: int, workers: int) -> list[str]:
     """
     return [sys.executable, "-c", "from pgreserve.cli import main; main()", "serve",
             "--workers", str(workers), "--host", "127.0.0.1", "--port", str(port),
-            "--ops-port", str(free_port()), "--no-request-log", "--database-url", dsn]
+            "--ops-port", str(free_port()), *SERVICE_FLAGS, "--database-url", dsn]
 
 
 def bare_argv(port: int, workers: int) -> list[str]:
