@@ -10,18 +10,25 @@ import asyncio
 import pytest
 
 from pgreserve import Database, ReservationService, Tenant
-from pgreserve.errors import RequestInProgress, RequestNotFound
+from test_batch_answered import _lookup
+from test_batch_isolation import queued
 from test_batching import bucket_id, bucket_locked
 from test_concurrency import wait_until_blocked
 
 
-async def queued(queues: dict, key: tuple[int, int], n: int) -> None:  # type: ignore[type-arg]
-    """Until the bucket's queue holds n requests (at most 5 s)."""
-    for _ in range(2500):
-        if len(queues.get(key, ())) >= n:
-            return
-        await asyncio.sleep(0.002)
-    raise AssertionError(f"the queue never held {n} requests")
+async def after_the_queue(service: ReservationService, tenant: int, bucket: int,
+                          key: str) -> str:
+    """What a lookup of `key` says once the bucket's queue has gone out in a batch (not
+    in progress: that would be no answer)."""
+    assert service.combiner is not None
+    for _ in range(200):
+        if not service.combiner._queues.get((tenant, bucket)):
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)
+    said = await _lookup(service, tenant, key)
+    assert said != "in progress"
+    return said
 
 
 async def test_a_queued_request_of_a_caller_that_gave_up_is_not_reported_never_used(
@@ -40,26 +47,12 @@ async def test_a_queued_request_of_a_caller_that_gave_up_is_not_reported_never_u
                 service.reserve(tenant.id, "buyer-1", [("s", "w", 2)]), timeout=0.3)
         assert len(queue.get((tenant.id, bucket), ())) == 1  # still queued
         # the buyer asks what became of its key
-        try:
-            await service.lookup_request(tenant.id, "buyer-1")
-            seen = "answered"
-        except RequestNotFound:
-            seen = "never used"
-        except RequestInProgress:
-            seen = "in progress"
+        seen = await _lookup(service, tenant.id, "buyer-1")
         blocker.rollback()
     await first
-    for _ in range(200):  # the queued request goes in the bucket's next batch
-        if not queue.get((tenant.id, bucket)):
-            break
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.2)
-    try:
-        status = (await service.lookup_request(tenant.id, "buyer-1")).status
-    except RequestNotFound:
-        status = "none"
+    status = await after_the_queue(service, tenant.id, bucket, "buyer-1")
     # the key was told "never used", and yet it holds now
-    assert not (seen == "never used" and status == "succeeded"), (
+    assert not (seen == "never used" and status == "stored:succeeded"), (
         f"lookup said the key was never used, then the request committed: {status}")
 
 
@@ -76,21 +69,13 @@ async def test_unbatched_the_same_lookup_stays_never_used(db: Database,
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(
                 service.reserve(tenant.id, "buyer-1", [("s", "w", 2)]), timeout=0.3)
-        try:
-            await service.lookup_request(tenant.id, "buyer-1")
-            seen = "answered"
-        except RequestNotFound:
-            seen = "never used"
-        except RequestInProgress:
-            seen = "in progress"
+        seen = await _lookup(service, tenant.id, "buyer-1")
         blocker.rollback()
     await first
     await asyncio.sleep(0.5)
-    try:
-        record = (await service.lookup_request(tenant.id, "buyer-1")).status
-    except RequestNotFound:
-        record = "none"
-    assert not (seen == "never used" and record == "succeeded")
+    record = await _lookup(service, tenant.id, "buyer-1")
+    assert record != "in progress"
+    assert not (seen == "never used" and record == "stored:succeeded")
 
 
 async def test_a_deferred_request_of_a_caller_that_gave_up_is_not_reported_never_used(
@@ -102,8 +87,6 @@ async def test_a_deferred_request_of_a_caller_that_gave_up_is_not_reported_never
 
     await service.set_stock(tenant.id, "s", "w", 5)
     bucket = await bucket_id(db, tenant.id, "s")
-    assert service.combiner is not None
-    queue = service.combiner._queues
     with psycopg.connect(db.conninfo) as keyholder:
         # another transaction holds request key "r" (the same key in flight elsewhere)
         keyholder.execute("SELECT pg_advisory_xact_lock(hashtextextended('r', %s))",
@@ -112,9 +95,9 @@ async def test_a_deferred_request_of_a_caller_that_gave_up_is_not_reported_never
             first = asyncio.ensure_future(service.reserve(tenant.id, "first", [("s", "w", 1)]))
             await wait_until_blocked(db.conninfo)
             r = asyncio.ensure_future(service.reserve(tenant.id, "r", [("s", "w", 1)]))
-            await queued(queue, (tenant.id, bucket), 1)
+            await queued(service, tenant.id, bucket, 1)
             b = asyncio.ensure_future(service.reserve(tenant.id, "buyer-b", [("s", "w", 2)]))
-            await queued(queue, (tenant.id, bucket), 2)
+            await queued(service, tenant.id, bucket, 2)
             blocker.rollback()
         await first
         # "r" is answered retry and sent alone, where it waits for its key; "buyer-b" is
@@ -124,23 +107,9 @@ async def test_a_deferred_request_of_a_caller_that_gave_up_is_not_reported_never
         b.cancel()  # the buyer gives up
         with pytest.raises(asyncio.CancelledError):
             await b
-        try:
-            await service.lookup_request(tenant.id, "buyer-b")
-            seen = "answered"
-        except RequestNotFound:
-            seen = "never used"
-        except RequestInProgress:
-            seen = "in progress"
+        seen = await _lookup(service, tenant.id, "buyer-b")
         keyholder.rollback()
     await r
-    for _ in range(200):
-        if not queue.get((tenant.id, bucket)):
-            break
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.2)
-    try:
-        status = (await service.lookup_request(tenant.id, "buyer-b")).status
-    except RequestNotFound:
-        status = "none"
-    assert not (seen == "never used" and status == "succeeded"), (
+    status = await after_the_queue(service, tenant.id, bucket, "buyer-b")
+    assert not (seen == "never used" and status == "stored:succeeded"), (
         f"lookup said the key was never used, then the request committed: {status}")

@@ -10,7 +10,8 @@ import psycopg
 from pgreserve import Database, ReservationService, Tenant, apikeys
 from pgreserve.db.database import TxSettings
 from pgreserve.db.embedded import EmbeddedServer
-from pgreserve.errors import ApiKeyRefused, OutcomeUnknown, RequestInProgress, RequestNotFound
+from pgreserve.errors import ApiKeyRefused, OutcomeUnknown
+from test_batch_answered import _lookup
 from test_batching import bucket_id, bucket_locked
 from test_concurrency import wait_until_blocked
 from test_lost_reply import reply_lost_after_commit
@@ -22,14 +23,19 @@ def revoking(key_hash: bytes) -> str:
             f" WHERE key_hash = decode('{key_hash.hex()}', 'hex');")
 
 
-async def _lookup(svc: ReservationService, tenant: int, key: str) -> str:
-    try:
-        rec = await svc.lookup_request(tenant, key)
-    except RequestNotFound:
-        return "never used"
-    except RequestInProgress:
-        return "in progress"
-    return f"stored:{rec.status}"
+async def connection_taken(db: Database) -> tuple[asyncio.Future[None], asyncio.Event]:
+    """One of the pool's connections, taken (once this returns) by a task that gives it
+    back when the event is set."""
+    taken, give_back = asyncio.Event(), asyncio.Event()
+
+    async def occupy() -> None:
+        async with db.pool.connection():
+            taken.set()
+            await give_back.wait()
+
+    holder = asyncio.ensure_future(occupy())
+    await taken.wait()
+    return holder, give_back
 
 
 async def test_keyed_batch_whose_reply_was_lost_answers_what_it_committed(
@@ -120,16 +126,7 @@ async def test_a_request_queued_late_in_a_pool_wait_waits_its_own_pool_wait(
                         settings=TxSettings(pool_wait_s=1.0)) as db:
         svc = ReservationService(db)
         assert (await svc.reserve(tenant.id, "warm", [("s", "w", 1)])).held  # bucket cached
-        taken = asyncio.Event()
-        give_back = asyncio.Event()
-
-        async def occupy() -> None:
-            async with db.pool.connection():
-                taken.set()
-                await give_back.wait()
-
-        holder = asyncio.ensure_future(occupy())
-        await taken.wait()
+        holder, give_back = await connection_taken(db)
         a = asyncio.ensure_future(svc.reserve(tenant.id, "a", [("s", "w", 1)]))
         await asyncio.sleep(0.8)
         b = asyncio.ensure_future(svc.reserve(tenant.id, "b", [("s", "w", 1)]))
@@ -225,14 +222,6 @@ async def test_a_request_queued_behind_a_long_batch_still_gets_its_pool_wait(
                         settings=TxSettings(pool_wait_s=0.5)) as db:
         svc = ReservationService(db)
         assert (await svc.reserve(tenant.id, "warm", [("s", "w", 1)])).held  # bucket cached
-        give_back = asyncio.Event()
-        taken = asyncio.Event()
-
-        async def occupy() -> None:
-            async with db.pool.connection():
-                taken.set()
-                await give_back.wait()
-
         async def other_caller() -> None:  # someone else waiting for the pool
             async with db.pool.connection(timeout=5):
                 await asyncio.sleep(0.2)
@@ -242,8 +231,7 @@ async def test_a_request_queued_behind_a_long_batch_still_gets_its_pool_wait(
             await wait_until_blocked(db.conninfo)
             b = asyncio.ensure_future(svc.reserve(tenant.id, "b", [("s", "w", 1)]))
             await asyncio.sleep(0.8)  # b waits behind a's batch, longer than pool_wait_s
-            holder = asyncio.ensure_future(occupy())
-            await taken.wait()
+            holder, give_back = await connection_taken(db)
             waiter = asyncio.ensure_future(other_caller())
             await asyncio.sleep(0.05)  # the other caller waits for the pool now
             blocker.rollback()

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import toolcheck
 from pgreserve.bench.cli import bench
 from pgreserve.bench.results import ERROR, HELD, REJECTED, Ledger, RunResult, Sample, ratios
 from pgreserve.bench.scenario import Scenario
@@ -44,25 +43,6 @@ def test_http_ratio_is_not_a_number_when_the_bare_side_failed() -> None:
     result = HttpBench(bare, service, "row")
     assert [r["server"] for r in result.failing_rounds()] == ["bare"]
     assert result.ratio is None, f"ratio reported anyway: {result.ratio}"
-
-
-def test_bench_http_prints_no_ratio_for_a_service_that_mostly_failed(
-        dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A real run: a tenant in-flight limit of 1 makes the service answer mostly 429; the
-    bench warns, exits 1, and prints and writes no ratio."""
-    toolcheck.require("wrk")
-    monkeypatch.setenv("PGRESERVE_TENANT_MAX_IN_FLIGHT", "1")
-    out = tmp_path / "http.json"
-    result = CliRunner().invoke(bench, [
-        "http", "--seconds", "1", "--rounds", "1", "--warmup", "0", "--workers", "1",
-        "--connections", "16", "--threads", "1", "--strategy", "row",
-        "--database-url", dsn, "--json", str(out)])
-    doc = json.loads(out.read_text())
-    assert doc["failing_rounds"], result.output
-    assert result.exit_code == 1, result.output
-    assert doc["service_holds_over_bare_requests_per_s"] is None, doc[
-        "service_holds_over_bare_requests_per_s"]
-    assert "service_holds_over_bare_requests_per_s: n/a" in result.output
 
 
 def _run(batching: bool, holds: int, errors: int, rejected: int, window: float,

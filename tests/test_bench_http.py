@@ -212,7 +212,7 @@ def test_a_service_that_mostly_fails_fails_the_run(
         dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A service answering almost every request 429 (a tenant in-flight limit of 1,
     inherited from the environment): a warning naming the counts, exit 1 after the JSON,
-    which records the setting the service ran with."""
+    which records the setting the service ran with and gives no ratio."""
     toolcheck.require("wrk")
     monkeypatch.setenv("PGRESERVE_TENANT_MAX_IN_FLIGHT", "1")
     out = tmp_path / "http.json"
@@ -229,6 +229,10 @@ def test_a_service_that_mostly_fails_fails_the_run(
     assert doc["failing_rounds"] and doc["failing_rounds"][0]["server"] == "service"
     assert doc["config"]["service_environment"]["PGRESERVE_TENANT_MAX_IN_FLIGHT"] == "1"
     assert doc["books_check"]["ok"] is True  # the books still balance
+    # no ratio from a run that does not measure holds
+    assert doc["service_holds_over_bare_requests_per_s"] is None
+    assert doc["round_ratios"] == [None]
+    assert "service_holds_over_bare_requests_per_s: n/a" in result.output
 
 
 def test_holds_wrk_counted_that_the_database_lacks_fail_the_run(
