@@ -124,8 +124,9 @@ class RequestLog:
 
     def _write(self) -> None:
         """Write what is queued, then pause: a busy process's lines go out a pause's
-        worth at a time, in one write and one flush, instead of waking this thread,
-        taking the interpreter lock and calling write and flush once per request."""
+        worth at a time, a few kilobytes per write and flush (_put), instead of waking
+        this thread, taking the interpreter lock and calling write and flush once per
+        request."""
         while True:
             items = [self.queue.get()]
             while True:
@@ -151,16 +152,11 @@ class RequestLog:
             time.sleep(self.pause)
 
     def _put(self, lines: list[str]) -> None:
-        """Write `lines` (see _write_chunks); nothing it meets ends the writer thread."""
-        try:
-            self._write_chunks(lines)
-        except Exception:
-            logging.getLogger(__name__).debug("request log lines lost", exc_info=True)
-
-    def _write_chunks(self, lines: list[str]) -> None:
         """Write `lines` in chunks of whole lines of at most CHUNK bytes, each flushed
         on its own: one write each, which a pipe (and an O_APPEND file) takes whole,
-        so the lines of several processes sharing the stream never mix."""
+        so the lines of several processes sharing the stream never mix. A chunk that
+        fails is lost alone; nothing here ends the writer thread (chunks() measures
+        any string)."""
         stream = self.stream or sys.stderr
         for chunk in chunks(lines):
             try:
